@@ -1,0 +1,27 @@
+"""hf_paged_kv: a paged KV cache for Hugging Face `generate`.
+
+    import hf_paged_kv
+    from hf_paged_kv import PagedCache
+
+    hf_paged_kv.enable(model)
+    out = model.generate(**inputs, past_key_values=PagedCache())
+"""
+
+from .attention import disable, enable, pool_of
+from .cache import PagedCache
+from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
+from .pool import KVPool
+
+__all__ = [
+    "enable",
+    "disable",
+    "pool_of",
+    "PagedCache",
+    "KVPool",
+    "PagedKVError",
+    "PoolExhaustedError",
+    "NotEnabledError",
+    "CacheReleasedError",
+    "UnsupportedModelError",
+]
+__version__ = "0.1.0"

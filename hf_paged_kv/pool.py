@@ -1,0 +1,205 @@
+"""KVPool: the preallocated block pool every PagedCache of a model draws from.
+
+Layout (shared with the kernels): per layer one K and one V tensor of shape
+`[num_blocks, block_size, num_kv_heads, head_dim]` on that layer's device. A block id names the
+same token range in every layer, so the allocator below is layer-agnostic. Block metadata
+(reference counts, fill levels) lives on the host in NumPy arrays: reading it never syncs a
+device.
+
+    >>> pool = KVPool(num_blocks=4096, block_size=16)      # or KVPool(max_bytes=2 << 30)
+    >>> hf_paged_kv.enable(model, pool=pool)               # takes layer shapes and devices
+    >>> pool.stats()["blocks_free"]
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import PagedKVError, PoolExhaustedError
+
+DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
+DEFAULT_DEVICE_FRACTION = 0.5  # of the free memory of each accelerator holding layers
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shape and placement of one attention layer's KV."""
+
+    num_kv_heads: int
+    head_dim: int
+    device: torch.device
+
+
+class KVPool:
+    """Fixed-size KV blocks for one model, with a reference-counted allocator.
+
+    Size it with exactly one of `num_blocks`, `max_bytes` (total over all layers and devices)
+    or `memory_fraction` (of the free memory of each accelerator). With none, the pool takes
+    `DEFAULT_DEVICE_FRACTION` of free accelerator memory, or `DEFAULT_CPU_BYTES` on the CPU.
+    The tensors are allocated when the pool is bound to a model by `hf_paged_kv.enable`.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        dtype: torch.dtype | None = None,
+    ):
+        if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
+            raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if max_bytes is not None and max_bytes < 1:
+            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
+        if memory_fraction is not None and not 0 < memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        self.block_size = block_size
+        self.dtype = dtype
+        self._requested_blocks = num_blocks
+        self._max_bytes = max_bytes
+        self._memory_fraction = memory_fraction
+        self.layers: list[LayerSpec] = []
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self._lock = threading.RLock()
+
+    # ------------------------------------------------------------------ binding
+    @property
+    def is_bound(self) -> bool:
+        return bool(self.key_cache)
+
+    def bind(self, layers: list[LayerSpec], dtype: torch.dtype) -> None:
+        """Allocate the block tensors for these layers (called by `hf_paged_kv.enable`)."""
+        if self.is_bound:
+            if layers != self.layers or (self.dtype or dtype) != self.dtype:
+                raise PagedKVError("this KVPool is already bound to a model with other layer shapes")
+            return
+        self.dtype = self.dtype or dtype
+        self.layers = list(layers)
+        self.num_blocks = self._choose_num_blocks()
+        if self.num_blocks < 1:
+            raise PagedKVError(
+                f"the memory budget holds no block of {self.bytes_per_block} bytes; raise it"
+            )
+        for spec in self.layers:
+            shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+            # zeros, not empty: attention may read stale slots under a mask, and 0 * NaN is NaN.
+            self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=spec.device))
+            self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=spec.device))
+        self.refcount = np.zeros(self.num_blocks, dtype=np.int32)
+        self.fill = np.zeros(self.num_blocks, dtype=np.int32)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
+        self.high_water = 0
+
+    def bytes_for(self, layers: list[LayerSpec] | None = None) -> int:
+        """Bytes of one block summed over `layers` (default: all bound layers)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = (2 * self.block_size * s.num_kv_heads * s.head_dim * itemsize for s in layers or self.layers)
+        return sum(per_layer)
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_for()
+
+    def _choose_num_blocks(self) -> int:
+        if self._requested_blocks is not None:
+            return self._requested_blocks
+        if self._max_bytes is not None:
+            return self._max_bytes // self.bytes_per_block
+        devices = {s.device for s in self.layers}
+        accelerators = [d for d in devices if d.type != "cpu"]
+        if not accelerators:
+            fraction = self._memory_fraction
+            budget = DEFAULT_CPU_BYTES if fraction is None else int(fraction * _host_memory())
+            return budget // self.bytes_per_block
+        fraction = self._memory_fraction or DEFAULT_DEVICE_FRACTION
+        counts = []
+        for device in accelerators:
+            free, _ = torch.cuda.mem_get_info(device)
+            on_device = [s for s in self.layers if s.device == device]
+            counts.append(int(free * fraction) // self.bytes_for(on_device))
+        return min(counts)
+
+    # ---------------------------------------------------------------- allocator
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` free blocks (reference count 1 each), or raise PoolExhaustedError."""
+        with self._lock:
+            if n > len(self._free):
+                raise PoolExhaustedError(n, len(self._free), self.num_blocks)
+            ids = [self._free.pop() for _ in range(n)]
+            self.refcount[ids] = 1
+            self.high_water = max(self.high_water, self.num_blocks - len(self._free))
+            return ids
+
+    def incref(self, ids) -> None:
+        with self._lock:
+            ids = np.asarray(ids, dtype=np.int64)
+            if (self.refcount[ids] <= 0).any():
+                raise PagedKVError(f"incref of a free block among {ids.tolist()}")
+            np.add.at(self.refcount, ids, 1)
+
+    def decref(self, ids) -> None:
+        """Drop one reference from each block; blocks reaching zero return to the free list."""
+        with self._lock:
+            for block in ids:
+                if self.refcount[block] <= 0:
+                    raise PagedKVError(f"double free of block {block}")
+                self.refcount[block] -= 1
+                if self.refcount[block] == 0:
+                    self.fill[block] = 0
+                    self._free.append(block)
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def reserve_check(self, n: int) -> None:
+        """Raise PoolExhaustedError now if `n` blocks could not be allocated."""
+        if n > len(self._free):
+            raise PoolExhaustedError(n, len(self._free), self.num_blocks)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's K and V in every layer (copy-on-write of a shared block)."""
+        for keys, values in zip(self.key_cache, self.value_cache):
+            keys[dst].copy_(keys[src])
+            values[dst].copy_(values[src])
+        self.fill[dst] = self.fill[src]
+
+    # ------------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """A snapshot of the pool: sizes, occupancy and the high-water mark."""
+        with self._lock:
+            used = self.num_blocks - len(self._free)
+            return {
+                "block_size": self.block_size,
+                "num_blocks": self.num_blocks,
+                "blocks_free": len(self._free),
+                "blocks_used": used,
+                "blocks_used_high_water": self.high_water,
+                "bytes_per_block": self.bytes_per_block if self.is_bound else 0,
+                "bytes_total": self.num_blocks * self.bytes_per_block if self.is_bound else 0,
+                "bytes_used": used * self.bytes_per_block if self.is_bound else 0,
+                "tokens_stored": int(self.fill.sum()) if self.is_bound else 0,
+            }
+
+    def __repr__(self) -> str:
+        if not self.is_bound:
+            return f"KVPool(block_size={self.block_size}, unbound)"
+        return (
+            f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"free={len(self._free)}, layers={len(self.layers)}, dtype={self.dtype})"
+        )
+
+
+def _host_memory() -> int:
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

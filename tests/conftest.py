@@ -1,0 +1,92 @@
+"""Shared fixtures: tiny random-weight models of each supported architecture, and the real SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+import hf_paged_kv
+
+VOCAB = 96
+PAD, BOS, EOS = 0, 1, 2
+COMMON = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
+DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, max_position_embeddings=1024, **COMMON)
+
+ARCHITECTURES = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(num_attention_heads=4, num_key_value_heads=2, **DECODER)),
+    # A window shorter than the test prompts, so sliding attention is really exercised.
+    "mistral": lambda: MistralForCausalLM(
+        MistralConfig(num_attention_heads=4, num_key_value_heads=1, sliding_window=24, **DECODER)
+    ),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(num_attention_heads=4, num_key_value_heads=4, **DECODER)),
+    "qwen3": lambda: Qwen3ForCausalLM(
+        Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **DECODER)
+    ),
+    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **COMMON)),
+}
+
+
+def make_model(arch: str = "llama", seed: int = 0):
+    """A tiny fp32 model with random weights, in eval mode."""
+    torch.manual_seed(seed)
+    model = ARCHITECTURES[arch]().eval()
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+def random_batch(batch: int, length: int, seed: int = 0, max_pad: int | None = None):
+    """Left-padded random prompts: `(input_ids, attention_mask)`; row 0 is never padded."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    mask = torch.ones_like(ids)
+    max_pad = length - 1 if max_pad is None else max_pad
+    for row in range(1, batch):
+        pad = int(torch.randint(0, max_pad + 1, (1,), generator=gen))
+        mask[row, :pad] = 0
+        ids[row, :pad] = PAD
+    return ids, mask
+
+
+def greedy(model, cache, ids, mask, new_tokens=12, **kwargs):
+    return model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def llama():
+    model = make_model("llama")
+    yield model
+    hf_paged_kv.disable(model)
+
+
+def assert_pool_clean(pool):
+    """Every block is free again: nothing leaked, reference counts are zero."""
+    stats = pool.stats()
+    assert stats["blocks_free"] == stats["num_blocks"], stats
+    assert (pool.refcount == 0).all()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from hf_paged_kv.real_model import load_smollm2
+
+    return load_smollm2()

@@ -1,0 +1,148 @@
+"""Every documented failure raises the project's error with a message that says what to do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_pool_clean, greedy, make_model, random_batch
+from transformers import DynamicCache, Gemma2Config, Gemma2ForCausalLM, T5Config, T5ForConditionalGeneration
+
+import hf_paged_kv
+from hf_paged_kv import (
+    CacheReleasedError,
+    KVPool,
+    NotEnabledError,
+    PagedCache,
+    PagedKVError,
+    PoolExhaustedError,
+    UnsupportedModelError,
+)
+
+
+def test_pool_exhausted_is_clean_and_recoverable(llama):
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=6, block_size=8))
+    ids, mask = random_batch(2, 30, max_pad=0)  # 2 x 4 blocks of prompt: more than 6
+    before = pool.stats()
+    with pytest.raises(PoolExhaustedError, match=r"needs 8 more block\(s\) but only 6 of 6 are free") as info:
+        greedy(llama, PagedCache(), ids, mask)
+    assert (info.value.needed, info.value.free) == (8, 6)
+    assert pool.stats()["blocks_free"] == before["blocks_free"]
+    assert_pool_clean(pool)
+    # the pool is intact: a request that fits works and matches DynamicCache
+    small_ids, small_mask = ids[:1, :20], mask[:1, :20]
+    with PagedCache() as cache:
+        got = greedy(llama, cache, small_ids, small_mask, new_tokens=10)
+    torch.testing.assert_close(got, greedy(llama, DynamicCache(), small_ids, small_mask, new_tokens=10))
+    assert_pool_clean(pool)
+
+
+def test_pool_exhausted_during_decode_keeps_what_was_generated(llama):
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=3, block_size=8))
+    ids, mask = random_batch(1, 20)
+    cache = PagedCache()
+    with pytest.raises(PoolExhaustedError):
+        greedy(llama, cache, ids, mask, new_tokens=10)  # needs a 4th block at token 25
+    assert cache.row_lengths() == [24] and cache.get_seq_length() == 24
+    assert pool.stats()["blocks_used"] == 3
+    cache.release()
+    assert_pool_clean(pool)
+
+
+def test_cache_on_a_model_that_was_not_enabled():
+    model = make_model("llama")
+    ids, mask = random_batch(1, 10)
+    with pytest.raises(NotEnabledError, match=r"hf_paged_kv.enable\(model\)"):
+        greedy(model, PagedCache(), ids, mask)
+
+
+def test_released_cache_cannot_be_reused(llama):
+    hf_paged_kv.enable(llama)
+    ids, mask = random_batch(1, 10)
+    cache = PagedCache()
+    greedy(llama, cache, ids, mask)
+    cache.release()
+    cache.release()  # idempotent
+    with pytest.raises(CacheReleasedError, match="create a new PagedCache"):
+        greedy(llama, cache, ids, mask)
+
+
+def test_cache_cannot_move_between_models(llama):
+    other = make_model("llama", seed=1)
+    hf_paged_kv.enable(llama)
+    hf_paged_kv.enable(other)
+    ids, mask = random_batch(1, 10)
+    with PagedCache() as cache:
+        greedy(llama, cache, ids, mask)
+        with pytest.raises(PagedKVError, match="another model's pool"):
+            greedy(other, cache, ids, mask)
+    hf_paged_kv.disable(other)
+
+
+def test_batch_size_cannot_change_within_a_cache(llama):
+    hf_paged_kv.enable(llama)
+    with PagedCache() as cache:
+        greedy(llama, cache, *random_batch(2, 10))
+        with pytest.raises(PagedKVError, match="batch size changed from 2 to 3"):
+            greedy(llama, cache, *random_batch(3, 30))
+
+
+def test_enable_is_idempotent_and_disable_restores(llama):
+    pool = hf_paged_kv.enable(llama, backend="torch")
+    assert hf_paged_kv.enable(llama) is pool
+    assert hf_paged_kv.pool_of(llama) is pool
+    with pytest.raises(PagedKVError, match="already enabled with another pool"):
+        hf_paged_kv.enable(llama, pool=KVPool(num_blocks=4))
+    hf_paged_kv.disable(llama)
+    assert llama.config._attn_implementation == "sdpa"
+    with pytest.raises(PagedKVError, match="not enabled"):
+        hf_paged_kv.pool_of(llama)
+    with pytest.raises(NotEnabledError):
+        greedy(llama, PagedCache(), *random_batch(1, 5))
+
+
+def test_unsupported_models_are_refused_at_enable():
+    gemma = Gemma2ForCausalLM(
+        Gemma2Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        )
+    )
+    with pytest.raises(UnsupportedModelError, match="soft-capping"):
+        hf_paged_kv.enable(gemma)
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
+    with pytest.raises(UnsupportedModelError, match="encoder-decoder"):
+        hf_paged_kv.enable(t5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_blocks=0), "num_blocks must be >= 1"),
+        (dict(block_size=0), "block_size must be a positive int"),
+        (dict(max_bytes=-5), "max_bytes must be >= 1"),
+        (dict(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
+        (dict(num_blocks=4, max_bytes=100), "at most one of"),
+    ],
+)
+def test_bad_pool_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVPool(**kwargs)
+
+
+def test_budget_too_small_for_one_block(llama):
+    with pytest.raises(PagedKVError, match="holds no block"):
+        hf_paged_kv.enable(llama, pool=KVPool(max_bytes=100))
+
+
+def test_bad_backend_name(llama):
+    with pytest.raises(ValueError, match="backend must be one of"):
+        hf_paged_kv.enable(llama, backend="cuda-magic")
+
+
+def test_training_dropout_is_refused(llama):
+    hf_paged_kv.enable(llama)
+    for layer in llama.model.layers:
+        layer.self_attn.attention_dropout = 0.1
+    llama.train()
+    with pytest.raises(PagedKVError, match="dropout must be 0"):
+        llama(*random_batch(1, 5), past_key_values=PagedCache())

@@ -1,0 +1,96 @@
+"""The block allocator and pool sizing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hf_paged_kv import KVPool, PagedKVError, PoolExhaustedError
+from hf_paged_kv.pool import DEFAULT_CPU_BYTES, LayerSpec
+
+CPU = torch.device("cpu")
+
+
+def bound_pool(num_blocks=16, block_size=4, layers=2):
+    pool = KVPool(num_blocks=num_blocks, block_size=block_size)
+    pool.bind([LayerSpec(2, 8, CPU)] * layers, torch.float32)
+    return pool
+
+
+def test_layout_and_stats():
+    pool = bound_pool(num_blocks=10, block_size=4, layers=3)
+    assert len(pool.key_cache) == len(pool.value_cache) == 3
+    assert pool.key_cache[0].shape == (10, 4, 2, 8)
+    stats = pool.stats()
+    for key in ("block_size", "num_blocks", "blocks_free", "blocks_used", "bytes_per_block", "tokens_stored",
+                "blocks_used_high_water"):
+        assert key in stats
+    assert stats["bytes_per_block"] == 3 * 2 * 4 * 2 * 8 * 4
+    assert (stats["blocks_free"], stats["blocks_used"]) == (10, 0)
+
+
+def test_sizing_by_bytes_and_default():
+    spec = [LayerSpec(2, 8, CPU)] * 2
+    per_block = 2 * 2 * 16 * 2 * 8 * 4
+    pool = KVPool(max_bytes=10 * per_block + 7)
+    pool.bind(spec, torch.float32)
+    assert pool.num_blocks == 10
+    default = KVPool()
+    default.bind(spec, torch.float32)
+    assert default.num_blocks == DEFAULT_CPU_BYTES // per_block
+
+
+def test_rebinding_to_other_shapes_is_refused():
+    pool = bound_pool()
+    pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)  # same shapes: fine
+    with pytest.raises(PagedKVError, match="already bound"):
+        pool.bind([LayerSpec(4, 8, CPU)], torch.float32)
+
+
+def test_copy_block_copies_every_layer():
+    pool = bound_pool()
+    for cache in pool.key_cache + pool.value_cache:
+        cache[3].normal_()
+    pool.copy_block(3, 7)
+    for cache in pool.key_cache + pool.value_cache:
+        assert torch.equal(cache[3], cache[7])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free"]), st.integers(0, 6), st.integers(0, 10**6)),
+                max_size=60))
+def test_allocator_never_leaks_or_double_frees(ops):
+    pool = bound_pool(num_blocks=12)
+    held: list[int] = []  # one entry per reference we own
+    for op, n, pick in ops:
+        if op == "alloc":
+            free_before = pool.num_free()
+            if n > free_before:
+                with pytest.raises(PoolExhaustedError):
+                    pool.allocate(n)
+                assert pool.num_free() == free_before  # nothing half-taken
+            else:
+                ids = pool.allocate(n)
+                assert len(set(ids)) == n and not set(ids) & set(held)
+                held += ids
+        elif op == "share" and held:
+            block = held[pick % len(held)]
+            pool.incref([block])
+            held.append(block)
+        elif op == "free" and held:
+            block = held.pop(pick % len(held))
+            pool.decref([block])
+            if block not in held:  # last reference gone: a second free must be refused
+                with pytest.raises(PagedKVError, match="double free"):
+                    pool.decref([block])
+        # invariants after every step
+        counts = {b: held.count(b) for b in set(held)}
+        assert all(pool.refcount[b] == c for b, c in counts.items())
+        assert pool.refcount.sum() == len(held)
+        assert pool.num_free() + len(counts) == pool.num_blocks
+        assert len(set(pool._free)) == len(pool._free)
+        assert not set(pool._free) & set(counts)
+    pool.decref(held)
+    assert pool.num_free() == pool.num_blocks and not pool.refcount.any()
