@@ -136,7 +136,11 @@ class PagedCache(Cache):
             )
         if self._pending is not None:
             self._commit()
-        if plan.write_src.numel():
+        if plan.backend == "triton":
+            from hf_paged_kv.kernels import triton_backend
+
+            triton_backend.write(plan, layer_idx, key_states, value_states)
+        elif plan.write_src.numel():
             batch, heads, new, dim = key_states.shape
             device = key_states.device
             src, dst = plan.on("write_src", device), plan.on("write_dst", device)
@@ -185,10 +189,14 @@ class PagedCache(Cache):
         with pool._lock:
             np.maximum.at(pool.fill, blocks_w, pos_w % pool.block_size + 1)
 
+        slots = blocks_w.astype(np.int64) * pool.block_size + pos_w % pool.block_size
+        slot_mapping = np.full((batch, new), -1, dtype=np.int64)
+        slot_mapping[rows_w, cols_w] = slots
         self._plan = step.StepPlan(
             pool=pool,
             write_src=torch.from_numpy(rows_w * new + cols_w),
-            write_dst=torch.from_numpy(blocks_w.astype(np.int64) * pool.block_size + pos_w % pool.block_size),
+            write_dst=torch.from_numpy(slots),
+            slot_mapping=torch.from_numpy(slot_mapping),
             block_tables=torch.from_numpy(block_tables),
             kv_lens=torch.from_numpy(new_lengths.astype(np.int32)),
             q_pos=torch.from_numpy(np.where(real, positions, 0)),

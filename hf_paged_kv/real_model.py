@@ -37,16 +37,28 @@ def gguf_path() -> Path:
 
 
 def load_smollm2(dtype=None, cache_dir: Path | str | None = None):
-    """Return `(model, tokenizer)` for SmolLM2-135M-Instruct in eval mode (fp32 by default)."""
+    """Return `(model, tokenizer)` for SmolLM2-135M-Instruct in eval mode (fp32 by default), the
+    tokenizer set up for left-padded batches."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
     dtype = dtype or torch.float32
     target = Path(cache_dir or DEFAULT_CACHE_DIR) / "smollm2-135m-instruct"
     if not (target / "model.safetensors").is_file():
         _convert_gguf(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    logging.disable_progress_bar()  # a 0.1 s load needs no progress bar
+    try:
+        model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype).eval()
+    finally:
+        logging.enable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(target)
+    # Ready for batched generation: the GGUF tokenizer has no pad token of its own.
+    tokenizer.padding_side = "left"
+    tokenizer.clean_up_tokenization_spaces = False  # destructive for this BPE tokenizer
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(model.config.pad_token_id)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer
 
 

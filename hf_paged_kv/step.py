@@ -24,7 +24,7 @@ class StepPlan:
     Shapes: `B` rows, `T` new positions per row (padding included).
     - `write_src` / `write_dst`: flat index into the `B*T` new tokens and the pool slot each real
       token goes to (`block * block_size + offset`); pad tokens and rows that share another row's
-      prompt have no entry.
+      prompt have no entry. `slot_mapping` `[B, T]` says the same with -1 for "no write".
     - `block_tables`: int32 `[B, max_blocks]`, -1 past each row's blocks.
     - `kv_lens`: int32 `[B]`, physical tokens per row after this forward.
     - `q_pos`: int64 `[B, T]`, physical position of each query; pad queries get 0 (they attend to
@@ -34,6 +34,7 @@ class StepPlan:
     pool: KVPool
     write_src: torch.Tensor
     write_dst: torch.Tensor
+    slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
     q_pos: torch.Tensor

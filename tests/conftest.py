@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# The Triton kernels run on the CPU only through the interpreter, which must be chosen before
+# any kernel module is imported (hf_paged_kv imports them lazily, so here is early enough).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,

@@ -1,0 +1,139 @@
+"""Chat with SmolLM2-135M-Instruct through PagedCache and compare KV memory with DynamicCache.
+
+    bash scripts/demo.sh            # bootstraps .venv, then runs this file
+
+The workload: a batch of support questions of very different lengths (left-padded into one
+`generate` call) and a three-turn conversation that reuses one cache across turns. Each piece
+runs twice, with `DynamicCache` and with `PagedCache`; the replies must be identical, and the
+table at the end shows the KV memory each cache held when its work finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache
+from hf_paged_kv.real_model import load_smollm2
+
+QUESTIONS = [
+    "What is a KV cache?",
+    "My order arrived damaged and the box was wet. What should I do, and will I get a refund or a replacement?",
+    "Explain in two sentences why padding tokens waste memory when a batch mixes short and long prompts, "
+    "and what a paged memory layout changes about that. Keep it simple for a new engineer.",
+    "Hi!",
+    "I run a small bakery and I am trying to understand my costs. Every morning we bake 120 croissants, 80 "
+    "baguettes and 40 loaves of sourdough. Butter went up by thirty percent this year, flour by ten percent, "
+    "and our electricity bill doubled because the ovens run from four in the morning until noon. We sell "
+    "croissants at two euros, baguettes at one euro twenty and sourdough at five euros fifty. Rent is fixed. "
+    "Two employees work six hours a day each. On weekends we sell almost everything, but on Mondays and "
+    "Tuesdays about a quarter of the bread is left over and we give it to a food bank. I am wondering "
+    "whether to close on Mondays, raise prices, or bake less on weekdays. What would you look at first?",
+]
+GREEDY = dict(do_sample=False, repetition_penalty=1.2)  # deterministic, so both caches must agree
+CONVERSATION = [
+    "I am planning a trip to Lisbon in spring. What should I pack?",
+    "How many days would you suggest for the city itself?",
+    "Give me one restaurant tip, in one sentence.",
+]
+
+
+def dynamic_cache_held(cache: DynamicCache) -> tuple[str, int, int]:
+    """("-", bytes, tokens) held by a DynamicCache: every row at the padded length."""
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+    keys = cache.layers[0].keys
+    return "-", nbytes, keys.shape[0] * keys.shape[2]
+
+
+def paged_cache_bytes(cache: PagedCache) -> tuple[int, int, int]:
+    """(blocks, bytes, tokens) held by this cache; shared blocks counted once."""
+    blocks = {b for table in cache.block_tables() for b in table}
+    return len(blocks), len(blocks) * cache.pool.bytes_per_block, sum(cache.row_lengths())
+
+
+def chat_batch(model, tokenizer, questions, cache, max_new_tokens):
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
+    inputs = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**inputs, past_key_values=cache, max_new_tokens=max_new_tokens, **GREEDY)
+    return tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+
+
+def conversation(model, tokenizer, turns, cache, max_new_tokens):
+    messages, replies = [], []
+    for turn in turns:
+        messages.append({"role": "user", "content": turn})
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        out = model.generate(**ids, past_key_values=cache, max_new_tokens=max_new_tokens, **GREEDY)
+        reply = tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": reply})
+        replies.append(reply)
+    return replies
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    print("Loading SmolLM2-135M-Instruct (the first run converts the GGUF file, about a minute) ...")
+    model, tokenizer = load_smollm2()
+    pool = hf_paged_kv.enable(model, pool=KVPool(max_bytes=256 << 20, block_size=16))
+    print(f"Pool: {pool}\n")
+
+    rows, results = [], {}
+    jobs = [("batch of 4 questions", "batch"), ("3-turn conversation", "chat")]
+    with tqdm(total=2 * len(jobs), desc="generating", unit="run") as progress:
+        for label, kind in jobs:
+            per_cache = {}
+            for name in ("DynamicCache", "PagedCache"):
+                cache = DynamicCache() if name == "DynamicCache" else PagedCache()
+                start = time.perf_counter()
+                if kind == "batch":
+                    replies = chat_batch(model, tokenizer, QUESTIONS, cache, args.max_new_tokens)
+                else:
+                    replies = conversation(model, tokenizer, CONVERSATION, cache, args.max_new_tokens)
+                seconds = time.perf_counter() - start
+                if name == "DynamicCache":
+                    held = dynamic_cache_held(cache)
+                else:
+                    held = paged_cache_bytes(cache)
+                    cache.release()
+                per_cache[name] = (replies, held, seconds)
+                progress.update()
+            results[label] = per_cache
+            (dyn_replies, dyn, dyn_s), (pag_replies, pag, pag_s) = per_cache["DynamicCache"], per_cache["PagedCache"]
+            rows.append((label, dyn, pag, dyn_s, pag_s, dyn_replies == pag_replies))
+
+    for label, per_cache in results.items():
+        print(f"\n=== {label} (PagedCache replies) ===")
+        prompts = QUESTIONS if label.startswith("batch") else CONVERSATION
+        for prompt, reply in zip(prompts, per_cache["PagedCache"][0]):
+            print(f"> {prompt}\n  {reply.strip()}\n")
+
+    print("KV memory held when the work finished (fp32, 30 layers, 3 KV heads x 64):\n")
+    header = f"{'workload':<22} {'cache':<13} {'blocks':>7} {'KV bytes':>12} {'tokens':>7} {'seconds':>8}  same replies"
+    print(header)
+    print("-" * len(header))
+    for label, dyn, pag, dyn_s, pag_s, same in rows:
+        print(f"{label:<22} {'DynamicCache':<13} {dyn[0]:>7} {dyn[1]:>12,} {dyn[2]:>7} {dyn_s:>8.1f}")
+        print(f"{'':<22} {'PagedCache':<13} {pag[0]:>7} {pag[1]:>12,} {pag[2]:>7} {pag_s:>8.1f}  {'yes' if same else 'NO'}")
+        print(f"{'':<22} {'ratio':<13} {'':>7} {pag[1] / dyn[1]:>12.2f}x")
+    stats = pool.stats()
+    print(f"\nPool after all requests: {stats['blocks_free']}/{stats['num_blocks']} blocks free, "
+          f"high-water mark {stats['blocks_used_high_water']} blocks "
+          f"({stats['blocks_used_high_water'] * stats['bytes_per_block'] / 2**20:.1f} MiB)")
+    if not all(row[-1] for row in rows):
+        raise SystemExit("PagedCache replies differ from DynamicCache replies")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Triton `paged_decode`: one query token per row against its paged KV (flash-decoding).
+
+Grid `(batch, kv_heads, splits)`. Each program takes one KV head with all the query heads that
+share it (GQA: a `[GROUP_PAD, head_dim]` query tile, so each key is read once per group), walks
+its share of the row's keys in tiles of `TILE` tokens gathered through the block table, and
+keeps an online softmax. A second kernel merges the splits with their log-sum-exp, so a few
+long rows still spread over the whole GPU. Keys past `kv_lens`, after the query position,
+outside the sliding window, or behind a `-1` block-table entry are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
+
+TILE = 64
+
+
+@triton.jit
+def _decode_split_kernel(
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, partial_out, partial_lse,
+    scale, window, max_blocks,
+    s_qb, s_qh, s_qd,
+    s_cb, s_cs, s_ch, s_cd,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, IS_FP32: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_len = tl.load(kv_lens + row)
+    position = tl.load(q_pos + row)
+    hi = tl.minimum(kv_len, position + 1)
+    lo = tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), TILE) * TILE
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, hi)
+
+    group = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP + group
+    head_ok = group < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        query + row * s_qb + heads[:, None] * s_qh + dims[None, :] * s_qd,
+        mask=head_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
+    for first in range(start, end, TILE):
+        tokens = first + tl.arange(0, TILE)
+        valid = tokens < end
+        block = tl.load(block_tables + row * max_blocks + tokens // BLOCK_SIZE, mask=valid, other=-1).to(tl.int64)
+        valid = valid & (block >= 0)
+        offsets = block * s_cb + (tokens % BLOCK_SIZE) * s_cs + kv_head * s_ch
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IS_FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    found = l_i > 0
+    out = acc / tl.where(found, l_i, 1.0)[:, None]
+    lse = tl.where(found, m_i + tl.log(tl.where(found, l_i, 1.0)), float("-inf"))
+    num_heads = tl.num_programs(1) * GROUP
+    base = (row * num_heads + heads) * NUM_SPLITS + split
+    tl.store(partial_lse + base, lse, mask=head_ok)
+    tl.store(partial_out + base[:, None] * HEAD_DIM_PAD + dims[None, :], out, mask=head_ok[:, None])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out, partial_lse, out,
+    s_ob, s_oh, s_od,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    split_ok = splits < NUM_SPLITS
+    base = (row * NUM_HEADS + head) * NUM_SPLITS + splits
+    lse = tl.load(partial_lse + base, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(weights, 0)
+    parts = tl.load(partial_out + base[:, None] * HEAD_DIM_PAD + dims[None, :], mask=split_ok[:, None], other=0.0)
+    merged = tl.sum(parts * weights[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + row * s_ob + head * s_oh + dims * s_od, merged.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def choose_splits(batch: int, kv_heads: int, max_kv_len: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU, each with at least a few tiles of keys."""
+    if device.type != "cuda":
+        return max(1, min(4, triton.cdiv(max_kv_len, 4 * TILE)))
+    programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    wanted = triton.cdiv(programs, max(1, batch * kv_heads))
+    return max(1, min(triton.next_power_of_2(wanted), triton.cdiv(max_kv_len, 4 * TILE), 64))
+
+
+def paged_decode(
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, num_splits=None, out=None
+):
+    """Decode attention. `query` `[B, heads, head_dim]`, `q_pos` `[B]`; returns `[B, heads, head_dim]`.
+
+    Semantics are those of `reference.paged_attention` with one query per row; a row without
+    any visible key gets zeros. `out` may be given (tests pass a poisoned buffer).
+    """
+    check_inputs(query, key_cache)
+    batch, heads, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    group = heads // kv_heads
+    group_pad = max(16, triton.next_power_of_2(group))
+    dim_pad = padded_head_dim(head_dim)
+    check_dot_shape(group_pad, TILE, dim_pad)
+    max_kv_len = int(kv_lens.max()) if batch else 0
+    splits = num_splits or choose_splits(batch, kv_heads, max_kv_len, query.device)
+    out = torch.empty_like(query) if out is None else out
+    partial_out = torch.empty((batch, heads, splits, dim_pad), dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    tables = block_tables.contiguous()
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
+        partial_out, partial_lse,
+        scale, window or 0, tables.shape[1],
+        *query.stride(),
+        *key_cache.stride(),
+        BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=TILE, NUM_SPLITS=splits,
+        UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+    )
+    _merge_splits_kernel[(batch, heads)](
+        partial_out, partial_lse, out,
+        *out.stride(),
+        NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+    )
+    return out

@@ -1,0 +1,116 @@
+"""Triton `paged_prefill`: many new query tokens per row, causal over the row's cached prefix
+and themselves.
+
+Grid `(batch, heads, query tiles)`. Queries arrive as transformers gives them, `[B, heads, T,
+head_dim]`, with `q_pos[b, t]` the physical position of each one, so rows may differ in both
+prefix length and number of new tokens (varlen; pad queries carry position 0). Each program
+walks the keys its tile can see, `TILE` tokens at a time gathered through the block table, with
+an online softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
+
+BLOCK_M = 32
+TILE = 32
+
+
+@triton.jit
+def _prefill_kernel(
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, out,
+    scale, window, num_new, max_blocks,
+    s_qb, s_qh, s_qt, s_qd,
+    s_cb, s_cs, s_ch, s_cd,
+    s_ob, s_oh, s_ot, s_od,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr, IS_FP32: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    kv_head = head // GROUP
+    queries = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    query_ok = queries < num_new
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    positions = tl.load(q_pos + row * num_new + queries, mask=query_ok, other=0)
+    kv_len = tl.load(kv_lens + row)
+    q = tl.load(
+        query + row * s_qb + head * s_qh + queries[:, None] * s_qt + dims[None, :] * s_qd,
+        mask=query_ok[:, None] & dim_ok[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    hi = tl.minimum(kv_len, tl.max(positions, 0) + 1)
+    lowest = tl.min(tl.where(query_ok, positions, hi), 0)
+    lo = tl.where(window > 0, tl.maximum(lowest - window + 1, 0), 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for first in range(lo, hi, TILE):
+        tokens = first + tl.arange(0, TILE)
+        in_row = tokens < hi
+        block = tl.load(block_tables + row * max_blocks + tokens // BLOCK_SIZE, mask=in_row, other=-1).to(tl.int64)
+        in_row = in_row & (block >= 0)
+        offsets = block * s_cb + (tokens % BLOCK_SIZE) * s_cs + kv_head * s_ch
+        kv_mask = in_row[:, None] & dim_ok[None, :]
+        k = tl.load(key_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IS_FP32:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        visible = in_row[None, :] & (tokens[None, :] <= positions[:, None])
+        visible = visible & ((window <= 0) | (tokens[None, :] > positions[:, None] - window))
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IS_FP32:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(
+        out + row * s_ob + head * s_oh + queries[:, None] * s_ot + dims[None, :] * s_od,
+        result.to(out.dtype.element_ty),
+        mask=query_ok[:, None] & dim_ok[None, :],
+    )
+
+
+def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, out=None):
+    """Prefill attention. `query` `[B, heads, T, head_dim]`, `q_pos` `[B, T]`; returns the query's shape.
+
+    Semantics are those of `reference.paged_attention`; a query without any visible key gets zeros.
+    `out` may be given (tests pass a poisoned buffer).
+    """
+    check_inputs(query, key_cache)
+    batch, heads, new, head_dim = query.shape
+    kv_heads = key_cache.shape[2]
+    dim_pad = padded_head_dim(head_dim)
+    check_dot_shape(BLOCK_M, TILE, dim_pad)
+    out = torch.empty_like(query) if out is None else out
+    tables = block_tables.contiguous()
+    _prefill_kernel[(batch, heads, triton.cdiv(new, BLOCK_M))](
+        query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(), out,
+        scale, window or 0, new, tables.shape[1],
+        *query.stride(),
+        *key_cache.stride(),
+        *out.stride(),
+        BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+        BLOCK_M=BLOCK_M, TILE=TILE,
+        UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,59 @@
+"""Checks and constants shared by the Triton kernel wrappers.
+
+Triton's CPU interpreter (`TRITON_INTERPRET=1`) differs from the GPU compiler in ways that
+matter here: its bf16/fp16 `tl.dot` is wrong (so the kernels upcast tiles to fp32 under the
+constexpr `UPCAST`), and it accepts `tl.dot` shapes the GPU compiler rejects (so the wrappers
+check them with `check_dot_shape`, and CPU tests catch what only a GPU would).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from hf_paged_kv.errors import PagedKVError
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_HEAD_DIMS = (64, 96, 128)
+MIN_DOT_DIM = 16  # smallest M, N and K the GPU compiler accepts for tl.dot
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
+    """Refuse combinations the kernels do not implement, instead of computing a wrong answer."""
+    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
+        raise PagedKVError(
+            f"Triton paged attention supports fp32/fp16/bf16 with matching query and cache dtypes, "
+            f"got query {query.dtype} and cache {key_cache.dtype}"
+        )
+    head_dim = query.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS or key_cache.shape[-1] != head_dim:
+        raise PagedKVError(f"Triton paged attention supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    heads, kv_heads = query.shape[1], key_cache.shape[2]  # query: [B, H, D] or [B, H, T, D]
+    if heads % kv_heads:
+        raise PagedKVError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    if query.device.type != "cuda" and not interpreting():
+        raise PagedKVError(
+            "the Triton backend needs CUDA tensors; on the CPU set TRITON_INTERPRET=1 before importing "
+            "hf_paged_kv (slow, for tests) or use backend='torch'"
+        )
+
+
+def check_dot_shape(m: int, n: int, k: int) -> None:
+    """The GPU compiler's tl.dot limits, checked on every platform."""
+    if min(m, n, k) < MIN_DOT_DIM:
+        raise PagedKVError(f"tl.dot tile {m}x{n}x{k} is below the GPU minimum of {MIN_DOT_DIM} per dimension")
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs must not silently drop to tf32 on the GPU: outputs must match the reference."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return triton.next_power_of_2(head_dim)

@@ -1,0 +1,261 @@
+"""Triton kernels against the torch reference (under TRITON_INTERPRET=1 on the CPU).
+
+Inputs are fresh random tensors with shuffled, non-contiguous block tables. Pool slots that no
+row may read hold large values (so a stray read changes the answer) and output buffers start as
+NaN (so an element the kernel forgot to write is caught).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged_kv import PagedKVError
+from hf_paged_kv.kernels import reference
+from hf_paged_kv.kernels.paged_decode import paged_decode
+from hf_paged_kv.kernels.paged_prefill import paged_prefill
+from hf_paged_kv.kernels.triton_utils import check_dot_shape
+from hf_paged_kv.kernels.write_kv import write_kv
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+POISON = 300.0
+
+
+def make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen):
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    key = torch.full(shape, POISON, dtype=dtype, device=DEVICE)
+    value = torch.full(shape, -POISON, dtype=dtype, device=DEVICE)
+    return key, value
+
+
+def make_rows(kv_lens, block_size, num_blocks, gen):
+    """Shuffled block tables for rows of `kv_lens` tokens, padded with -1; block 0 stays unused."""
+    needed = [-(-n // block_size) for n in kv_lens]
+    order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.full((len(kv_lens), max(max(needed), 1) + 1), -1, dtype=torch.int32)
+    for row, n in enumerate(needed):
+        tables[row, :n] = torch.tensor(order[:n], dtype=torch.int32)
+        del order[:n]
+    return tables
+
+
+def fill_rows(key_cache, value_cache, tables, kv_lens, gen):
+    """Random K/V in every valid slot of every row (the poison stays everywhere else)."""
+    block_size, kv_heads, head_dim = key_cache.shape[1:]
+    for row, n in enumerate(kv_lens):
+        for pos in range(n):
+            block = int(tables[row, pos // block_size])
+            for cache in (key_cache, value_cache):
+                cache[block, pos % block_size] = torch.randn(kv_heads, head_dim, generator=gen).to(cache.dtype)
+
+
+def reference_attention(query4d, key_cache, value_cache, tables, kv_lens, q_pos, scale, window):
+    """The torch reference in fp32, reading the same (poisoned) pool with the poison masked out."""
+    clean_k, clean_v = key_cache.float().clone(), value_cache.float().clone()
+    return reference.paged_attention(
+        query4d.float(), clean_k, clean_v, tables, kv_lens, q_pos, scale, window
+    )
+
+
+DECODE_CASES = [  # (group, head_dim, block_size, dtype)
+    (1, 64, 16, torch.float32),
+    (4, 96, 32, torch.float16),
+    (5, 128, 64, torch.bfloat16),
+    (7, 64, 32, torch.float32),
+    (4, 128, 16, torch.bfloat16),
+    (7, 96, 64, torch.float16),
+    (5, 64, 16, torch.float16),
+    (1, 128, 32, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("group, head_dim, block_size, dtype", DECODE_CASES)
+@pytest.mark.parametrize("window, splits", [(None, 1), (None, 3), (37, 2)])
+def test_paged_decode_matches_reference(group, head_dim, block_size, dtype, window, splits):
+    gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
+    kv_heads, kv_lens = 2, [1, 150, 77, 0]
+    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 6
+    key_cache, value_cache = make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
+    tables = make_rows(kv_lens, block_size, num_blocks, gen)
+    fill_rows(key_cache, value_cache, tables, kv_lens, gen)
+    batch, heads = len(kv_lens), kv_heads * group
+    query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    q_pos = (lens.long() - 1).clamp_min(0)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    got = paged_decode(
+        query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos, scale, window, num_splits=splits, out=out
+    )
+    expected = reference_attention(query[:, :, None], key_cache, value_cache, tables.to(DEVICE), lens, q_pos[:, None],
+                                   scale, window)[:, :, 0]
+    assert got is out and not got.isnan().any()
+    real = lens > 0
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got[real].float(), expected[real], rtol=tol, atol=tol)
+    assert (got[~real] == 0).all()  # a row without keys gets zeros, not garbage
+
+
+PREFILL_CASES = [  # (group, head_dim, block_size, dtype)
+    (1, 64, 16, torch.float32),
+    (4, 96, 32, torch.bfloat16),
+    (5, 128, 64, torch.float16),
+    (7, 64, 16, torch.bfloat16),
+    (4, 128, 32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("group, head_dim, block_size, dtype", PREFILL_CASES)
+@pytest.mark.parametrize("window", [None, 21])
+def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, window):
+    gen = torch.Generator().manual_seed(group * 100 + head_dim + block_size)
+    kv_heads = 1
+    prefixes, news, width = [0, 45, 13], [40, 7, 33], 40  # varlen: prefix and new lengths per row
+    kv_lens = [p + n for p, n in zip(prefixes, news)]
+    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 5
+    key_cache, value_cache = make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
+    tables = make_rows(kv_lens, block_size, num_blocks, gen)
+    fill_rows(key_cache, value_cache, tables, kv_lens, gen)
+    heads = kv_heads * group
+    query = torch.randn(3, heads, width, head_dim, generator=gen).to(dtype).to(DEVICE)
+    q_pos = torch.zeros(3, width, dtype=torch.long)
+    real = torch.zeros(3, width, dtype=torch.bool)
+    for row, (p, n) in enumerate(zip(prefixes, news)):  # new tokens left-padded, as generate gives them
+        q_pos[row, width - n :] = torch.arange(p, p + n)
+        real[row, width - n :] = True
+    lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
+    scale = head_dim**-0.5
+    out = torch.full_like(query, float("nan"))
+    got = paged_prefill(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale, window,
+                        out=out)
+    expected = reference_attention(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale,
+                                   window)
+    assert not got.isnan().any()
+    tol = TOLERANCE[dtype]
+    real = real.to(DEVICE)
+    torch.testing.assert_close(got.transpose(1, 2)[real].float(), expected.transpose(1, 2)[real], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_matches_reference_and_skips_pads(dtype):
+    gen = torch.Generator().manual_seed(3)
+    num_blocks, block_size, kv_heads, head_dim = 9, 16, 3, 96
+    key = torch.randn(2, kv_heads, 7, head_dim, generator=gen).to(dtype).to(DEVICE)  # [B, H, T, D] as transformers
+    value = torch.randn(2, kv_heads, 7, head_dim, generator=gen).to(dtype).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:14].view(2, 7)
+    slots[0, :3] = -1  # pads
+    slots = slots.to(DEVICE)
+    got = [torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+           for _ in range(2)]
+    expected = [c.clone() for c in got]
+    write_kv(*got, key.transpose(1, 2), value.transpose(1, 2), slots)  # strided views, no copy
+    reference.write_kv(*expected, key.transpose(1, 2).reshape(14, kv_heads, head_dim),
+                       value.transpose(1, 2).reshape(14, kv_heads, head_dim), slots.reshape(-1))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=0, atol=0, equal_nan=True)
+    assert got[0].isnan().sum() == (num_blocks * block_size - 11) * kv_heads * head_dim  # nothing else touched
+
+
+def test_offsets_are_int64_for_pools_over_2_31_elements():
+    """A pool of more than 2^31 elements; only its last blocks are ever touched (the rest of the
+    allocation is never paged in)."""
+    block_size, kv_heads, head_dim = 16, 1, 64
+    num_blocks = 2**31 // (block_size * kv_heads * head_dim) + 4
+    key_cache = torch.empty((num_blocks, block_size, kv_heads, head_dim), dtype=torch.float16, device=DEVICE)
+    value_cache = torch.empty_like(key_cache)
+    assert key_cache.numel() > 2**31
+    gen = torch.Generator().manual_seed(0)
+    tables = torch.tensor([[num_blocks - 1, num_blocks - 3]], dtype=torch.int32, device=DEVICE)
+    key = torch.randn(1, 20, kv_heads, head_dim, generator=gen).half().to(DEVICE)
+    value = torch.randn(1, 20, kv_heads, head_dim, generator=gen).half().to(DEVICE)
+    positions = torch.arange(20, device=DEVICE)
+    slots = (tables[0, positions // block_size].long() * block_size + positions % block_size)[None]
+    write_kv(key_cache, value_cache, key, value, slots)
+    assert torch.equal(key_cache[num_blocks - 3, :4], key[0, 16:])
+    query = torch.randn(1, 1, head_dim, generator=gen).half().to(DEVICE)
+    lens = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    got = paged_decode(query, key_cache, value_cache, tables, lens, lens.long() - 1, 0.125)
+    expected = reference.sdpa(query[:, :, None].float(), key.transpose(1, 2).float(), value.transpose(1, 2).float(),
+                              None, 0.125)[:, :, 0]
+    torch.testing.assert_close(got.float(), expected, rtol=3e-3, atol=3e-3)
+
+
+def test_gpu_dot_limits_are_checked_on_every_platform(monkeypatch):
+    with pytest.raises(PagedKVError, match="below the GPU minimum of 16"):
+        check_dot_shape(8, 64, 64)
+    from hf_paged_kv.kernels import paged_prefill as module
+
+    monkeypatch.setattr(module, "BLOCK_M", 8)
+    query = torch.zeros(1, 1, 4, 64, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    with pytest.raises(PagedKVError, match="tl.dot tile 8x32x64"):
+        module.paged_prefill(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                             torch.zeros(1, 4, dtype=torch.long), 1.0)
+
+
+@pytest.mark.parametrize(
+    "query_shape, cache_dtype, message",
+    [
+        ((1, 2, 32), torch.float32, "head dims"),
+        ((1, 2, 64), torch.float64, "fp32/fp16/bf16"),
+        ((1, 3, 64), torch.float32, "not a multiple"),
+    ],
+)
+def test_unsupported_combinations_are_refused(query_shape, cache_dtype, message):
+    head_dim = query_shape[-1]
+    query = torch.zeros(query_shape, dtype=cache_dtype, device=DEVICE)
+    cache = torch.zeros(2, 16, 2, head_dim, dtype=cache_dtype, device=DEVICE)
+    with pytest.raises(PagedKVError, match=message):
+        paged_decode(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.long), 1.0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter error")
+def test_cpu_tensors_without_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    query, cache = torch.zeros(1, 2, 64), torch.zeros(2, 16, 2, 64)
+    with pytest.raises(PagedKVError, match="TRITON_INTERPRET=1"):
+        paged_decode(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                     torch.zeros(1, dtype=torch.long), 1.0)
+
+
+def test_generate_with_triton_backend_matches_torch_backend():
+    """End to end: a left-padded batch and a second turn, Triton kernels against the torch backend."""
+    from conftest import VOCAB, greedy, random_batch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_paged_kv
+    from hf_paged_kv import KVPool, PagedCache
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=1, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval().to(DEVICE)
+    ids, mask = random_batch(3, 40, seed=1)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    follow = torch.randint(3, VOCAB, (3, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def two_turns(backend):
+        hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=16), backend=backend)
+        with PagedCache() as cache:
+            first = greedy(model, cache, ids, mask, new_tokens=6)
+            second_mask = torch.cat([mask, torch.ones(3, 11, dtype=mask.dtype, device=DEVICE)], 1)
+            second = greedy(model, cache, torch.cat([first, follow], 1), second_mask, new_tokens=6)
+        hf_paged_kv.disable(model)
+        return first, second
+
+    for got, expected in zip(two_turns("triton"), two_turns("torch")):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
+    from conftest import make_model
+
+    import hf_paged_kv
+    from hf_paged_kv.attention import _STATE_ATTR
+
+    model = make_model("llama").to(DEVICE)
+    hf_paged_kv.enable(model)
+    assert getattr(model, _STATE_ATTR).backend == ("triton" if DEVICE == "cuda" else "torch")
+    hf_paged_kv.disable(model)
