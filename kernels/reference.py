@@ -70,14 +70,16 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
-    """SDPA over grouped-query heads: native GQA without a mask, expanded KV heads with one
-    (torch falls back to its slow math path for GQA plus a mask)."""
+    """SDPA over grouped-query heads. Native GQA where it is fast (no mask, or the CPU, where it
+    is about 3x faster than expanding the KV heads); expanded heads for a mask on an accelerator,
+    where native GQA falls back to the slow math kernel."""
     groups = query.shape[1] // keys.shape[1]
-    if groups > 1 and mask is not None:
+    native = mask is None or query.device.type == "cpu"
+    if groups > 1 and not native:
         keys = _expand_heads(keys, groups)
         values = _expand_heads(values, groups)
     return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=groups > 1 and mask is None
+        query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=groups > 1 and native
     )
 
 
