@@ -7,15 +7,18 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
-from .attention import disable, enable, pool_of
+from .attention import disable, enable, pool_of, publish
 from .cache import PagedCache
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
+from .pipeline import pipeline
 from .pool import KVPool
 
 __all__ = [
     "enable",
     "disable",
     "pool_of",
+    "publish",
+    "pipeline",
     "PagedCache",
     "KVPool",
     "PagedKVError",

@@ -30,6 +30,7 @@ from . import step
 from .cache import PagedCache
 from .errors import PagedKVError, UnsupportedModelError
 from .pool import KVPool, LayerSpec
+from .reuse.prefix_index import PUBLIC_TENANT
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
 _STATE_ATTR = "_hf_paged_kv_state"
@@ -65,7 +66,7 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
     layers = _layer_specs(model)
     backend = _choose_backend(backend, layers)
     pool = pool if pool is not None else KVPool()
-    pool.bind(layers, _model_dtype(model))
+    pool.bind(layers, _model_dtype(model), _fingerprint(model))
     _register()
     previous = model.config._attn_implementation or "sdpa"
     model.set_attn_implementation(ATTENTION_NAME)
@@ -94,6 +95,27 @@ def pool_of(model) -> KVPool:
     if state is None:
         raise PagedKVError("model is not enabled; call hf_paged_kv.enable(model)")
     return state.pool
+
+
+def publish(model, prefix, tokenizer=None) -> int:
+    """Compute (or find) the KV of `prefix` and share its full blocks with every tenant.
+
+    `prefix` is token ids (a list or 1-D tensor) or text with its `tokenizer` (no special tokens
+    are added). This is the only way KV crosses tenants: use it for prompts that are public,
+    such as a common system prompt. Returns the number of tokens published (whole blocks).
+    """
+    pool = pool_of(model)
+    if isinstance(prefix, str):
+        if tokenizer is None:
+            raise ValueError("publishing text needs its tokenizer")
+        prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    ids = torch.as_tensor(prefix, dtype=torch.long).reshape(1, -1).to(model.device)
+    cache = PagedCache()
+    cache.tenant = PUBLIC_TENANT  # deliberately set here: the constructor refuses it
+    with torch.inference_mode():
+        model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+    cache.release()
+    return ids.shape[1] // pool.block_size * pool.block_size
 
 
 # ----------------------------------------------------------------- model checks
@@ -127,6 +149,15 @@ def _layer_specs(model) -> list[LayerSpec]:
     ]
 
 
+def _fingerprint(model) -> str:
+    """Model identity for the prefix index: class, name and a hash of the full config."""
+    import hashlib
+
+    config = model.config.to_json_string(use_diff=False)
+    digest = hashlib.blake2b(config.encode(), digest_size=8).hexdigest()
+    return f"{type(model).__name__}|{model.config._name_or_path}|{digest}"
+
+
 def _model_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
@@ -155,22 +186,46 @@ def _before_forward(model, args, kwargs):
     cache = kwargs.get("past_key_values")
     if not isinstance(cache, PagedCache):
         step.set_active(None)
-        return
+        return None
     input_ids = kwargs.get("input_ids", args[0] if args else None)
     inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     if inputs is None:
         raise PagedKVError("forward needs input_ids or inputs_embeds")
     state = getattr(model, _STATE_ATTR)
     cache.bind(state.pool)
-    plan = cache.begin_forward(input_ids, kwargs.get("attention_mask"), inputs.shape[0], inputs.shape[1])
+    # Only generate-style calls (logits of the last position only) may skip cached prompt tokens.
+    allow_reuse = kwargs.get("logits_to_keep") == 1
+    plan = cache.begin_forward(input_ids, kwargs.get("attention_mask"), inputs.shape[0], inputs.shape[1], allow_reuse)
     plan.backend = state.backend
     step.set_active(plan)
+    return _drop_cached_columns(args, kwargs, plan.skip) if plan.skip else None
+
+
+def _drop_cached_columns(args, kwargs, skip: int):
+    """Shorten the forward to the columns some row still computes (prefix reuse). Positions
+    are kept as they were, so RoPE and learned position embeddings see the true positions."""
+    kwargs = dict(kwargs)
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("position_ids") is None:
+        if mask is not None:
+            kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp_min(0)
+        else:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            kwargs["position_ids"] = torch.arange(ids.shape[1], device=ids.device)[None]
+    kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
+    if mask is not None:
+        kwargs["attention_mask"] = mask[:, skip:]
+    if args:
+        args = (args[0][:, skip:], *args[1:])
+    else:
+        kwargs["input_ids"] = kwargs["input_ids"][:, skip:]
+    return args, kwargs
 
 
 def _after_forward(model, args, kwargs, output):
     cache = kwargs.get("past_key_values")
     if isinstance(cache, PagedCache):
-        cache.end_forward()
+        cache.end_forward(succeeded=output is not None)
     step.set_active(None)
 
 

@@ -23,8 +23,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import step
-from .errors import CacheReleasedError, NotEnabledError, PagedKVError
+from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError
 from .pool import KVPool
+from .reuse.prefix_index import PUBLIC_TENANT
 
 
 class PagedCache(Cache):
@@ -33,13 +34,23 @@ class PagedCache(Cache):
     Args:
         pool: the KVPool to draw blocks from. Default: the pool of the model the cache is first
             used with (`hf_paged_kv.enable(model)` creates it).
+        tenant: whose KV this is. Cached prefixes are shared only within a tenant (and with
+            prefixes published to all by `hf_paged_kv.publish`).
+        reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
+            ones (default). `False` computes everything and shares nothing.
     """
 
     is_compileable = False  # True would switch on transformers' auto-compile for custom caches
 
-    def __init__(self, pool: KVPool | None = None):
+    def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True):
         super().__init__(layers=[])
+        if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
+            raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
+        self.tenant = tenant
+        self.reuse = reuse
         self._pool = pool
+        self._chains: list[list[bytes]] = []  # digests of each row's indexed full blocks
+        self._before: dict | None = None  # row state before the current forward (to undo a failure)
         self._tables: list[list[int]] = []  # block ids per row
         self._lengths: list[int] = []  # physical (stored) tokens per row
         self._history: list[bytearray] = []  # per row and logical position: 1 real, 0 pad
@@ -92,9 +103,9 @@ class PagedCache(Cache):
         if self._pool is not None:
             for table in self._tables:
                 self._pool.decref(table)
-        self._tables, self._lengths, self._history, self._tokens = [], [], [], []
+        self._tables, self._lengths, self._history, self._tokens, self._chains = [], [], [], [], []
         self._logical = 0
-        self._plan = self._pending = None
+        self._plan = self._pending = self._before = None
 
     # --------------------------------------------------- transformers protocol
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -150,11 +161,22 @@ class PagedCache(Cache):
         return key_states, value_states
 
     # ------------------------------------------------------ forward planning
-    def begin_forward(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None, batch: int, new: int):
-        """Plan the forward about to run: allocate blocks, compute write slots and read metadata.
+    def begin_forward(
+        self,
+        input_ids: torch.Tensor | None,
+        attention_mask: torch.Tensor | None,
+        batch: int,
+        new: int,
+        allow_reuse: bool = False,
+    ) -> step.StepPlan:
+        """Plan the forward about to run: inherit cached prefixes, allocate blocks, compute write
+        slots and read metadata.
 
-        Called by the model's forward pre-hook. Raises PoolExhaustedError before changing
-        anything when the pool cannot hold the new tokens.
+        Called by the model's forward pre-hook. With `allow_reuse` (the caller only needs the
+        last position's logits, as `generate` does), a fresh cache inherits each row's longest
+        cached prefix, and the plan's `skip` says how many leading input columns the forward
+        may drop. Raises PoolExhaustedError before changing anything when the pool cannot hold
+        the new tokens.
         """
         self._check_alive()
         pool = self._pool
@@ -170,19 +192,29 @@ class PagedCache(Cache):
         ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full((batch, new), -1)
         fresh = not rows
         lengths = np.array(self._lengths if rows else [0] * batch, dtype=np.int64)
-        counts = real.sum(axis=1)
         canonical = self._duplicate_rows(ids, real) if fresh and input_ids is not None else list(range(batch))
-
         tables = [list(t) for t in self._tables] if rows else [[] for _ in range(batch)]
-        self._reserve(tables, lengths, counts, canonical)
+        computed = real
+        if fresh and allow_reuse and self.reuse and input_ids is not None:
+            computed = self._inherit(ids, real, canonical, tables, lengths)
+        counts = computed.sum(axis=1)
+        skip = new - int(counts.max()) if batch else 0  # leading columns no row computes
+        computed, width = computed[:, skip:], new - skip
+        try:
+            self._reserve(tables, lengths, counts, canonical)
+        except PoolExhaustedError:
+            if fresh:
+                for table in tables:  # give back the inherited prefixes
+                    pool.decref(table)
+            raise
 
         new_lengths = lengths + counts
         max_blocks = max(1, max(len(t) for t in tables))
         block_tables = np.full((batch, max_blocks), -1, dtype=np.int32)
         for b, table in enumerate(tables):
             block_tables[b, : len(table)] = table
-        positions = lengths[:, None] + np.cumsum(real, axis=1) - 1  # physical position of each new token
-        writes = real & (np.asarray(canonical) == np.arange(batch))[:, None]
+        positions = lengths[:, None] + np.cumsum(computed, axis=1) - 1  # physical position of each new token
+        writes = computed & (np.asarray(canonical) == np.arange(batch))[:, None]
         rows_w, cols_w = np.nonzero(writes)
         pos_w = positions[rows_w, cols_w]
         blocks_w = block_tables[rows_w, pos_w // pool.block_size]
@@ -190,31 +222,98 @@ class PagedCache(Cache):
             np.maximum.at(pool.fill, blocks_w, pos_w % pool.block_size + 1)
 
         slots = blocks_w.astype(np.int64) * pool.block_size + pos_w % pool.block_size
-        slot_mapping = np.full((batch, new), -1, dtype=np.int64)
+        slot_mapping = np.full((batch, width), -1, dtype=np.int64)
         slot_mapping[rows_w, cols_w] = slots
         self._plan = step.StepPlan(
             pool=pool,
-            write_src=torch.from_numpy(rows_w * new + cols_w),
+            write_src=torch.from_numpy(rows_w * width + cols_w),
             write_dst=torch.from_numpy(slots),
             slot_mapping=torch.from_numpy(slot_mapping),
             block_tables=torch.from_numpy(block_tables),
             kv_lens=torch.from_numpy(new_lengths.astype(np.int32)),
-            q_pos=torch.from_numpy(np.where(real, positions, 0)),
+            q_pos=torch.from_numpy(np.where(computed, positions, 0)),
             max_kv_len=int(new_lengths.max()) if batch else 0,
-            uniform=bool(real.all()) and bool((lengths == lengths[0]).all()),
+            uniform=bool(computed.all()) and bool((lengths == lengths[0]).all()),
+            skip=skip,
         )
-        self._pending = {
-            "tables": tables,
-            "lengths": new_lengths.tolist(),
-            "real": real,
-            "ids": ids,
-            "new": new,
-        }
+        self._pending = {"lengths": new_lengths.tolist(), "real": real, "ids": ids, "new": new}
         return self._plan
 
-    def end_forward(self) -> None:
-        """Called by the model's forward post-hook: the plan is spent."""
+    def _inherit(self, ids, real, canonical, tables, lengths) -> np.ndarray:
+        """Attach each row's longest cached prefix (exact block hashes, then the semantic index);
+        fills `tables` and `lengths` in place and returns which new tokens still need computing.
+        At least the last token of every row is computed: generate needs its logits."""
+        pool, size = self._pool, self._pool.block_size
+        computed = real.copy()
+        counters = pool.reuse_counters
+        with pool._lock:
+            for b in range(len(ids)):
+                if canonical[b] != b:  # same prompt as an earlier row: shares its blocks later
+                    lengths[b], computed[b] = lengths[canonical[b]], computed[canonical[b]]
+                    continue
+                tokens = ids[b][real[b]]
+                counters["lookups"] += 1
+                counters["lookup_tokens"] += len(tokens)
+                limit = len(tokens) - 1
+                blocks = pool.index.match(self.tenant, tokens, max(limit, 0) // size)
+                pool.incref(blocks)
+                length = len(blocks) * size
+                counters["hit_tokens_prefix"] += length
+                if pool.semantic is not None and limit > 0:
+                    extended = pool.semantic.extend(pool, self.tenant, tokens, limit, blocks)
+                    counters["hit_tokens_semantic"] += extended - length
+                    length = extended
+                tables[b], lengths[b] = blocks, length
+                computed[b, np.flatnonzero(real[b])[:length]] = False
+        return computed
+
+    def end_forward(self, succeeded: bool = True) -> None:
+        """Called by the model's forward post-hook: the plan is spent.
+
+        After a successful forward the rows' new full blocks join the prefix index (identical
+        blocks already there are shared instead). A forward that raised is undone: the rows go
+        back to their previous lengths, so half-written KV is never used or shared.
+        """
         self._plan = None
+        before, self._before = self._before, None
+        if not succeeded:
+            if self._pending is None and before is not None:
+                self._restore(before)
+            return
+        if self.reuse and self._pending is None and self._tables:
+            self._index_full_blocks()
+
+    def _index_full_blocks(self) -> None:
+        pool, size = self._pool, self._pool.block_size
+        with pool._lock:
+            for b, tokens in enumerate(self._tokens):
+                chain, table = self._chains[b], self._tables[b]
+                full = len(tokens) // size
+                if full <= len(chain) or -1 in tokens[len(chain) * size : full * size]:
+                    continue
+                start = chain[-1] if chain else pool.index.root(self.tenant)
+                digests = pool.index.extend(start, tokens[len(chain) * size : full * size])
+                for position, known in pool.index.register(self.tenant, len(chain), digests, table):
+                    pool.incref([known])
+                    pool.decref([table[position]])
+                    table[position] = known
+                chain.extend(digests)
+
+    def _restore(self, before: dict) -> None:
+        """Put the rows back as they were before a forward that failed after its first write."""
+        if not before["lengths"]:
+            self._drop_rows()
+            return
+        self._lengths, self._logical = before["lengths"], before["logical"]
+        size = self._pool.block_size
+        for b, table in enumerate(self._tables):
+            del self._history[b][self._logical :]
+            del self._tokens[b][self._lengths[b] :]
+            del self._chains[b][self._lengths[b] // size :]
+            keep = -(-self._lengths[b] // size)
+            self._pool.decref(table[keep:])
+            del table[keep:]
+
 
     @staticmethod
     def _new_token_mask(attention_mask, batch: int, new: int) -> np.ndarray:
@@ -279,10 +378,12 @@ class PagedCache(Cache):
     def _commit(self) -> None:
         """Adopt the row state planned for this forward (on its first layer's write)."""
         pending, self._pending = self._pending, None
+        self._before = {"lengths": list(self._lengths), "logical": self._logical}
         real, ids, new = pending["real"], pending["ids"], pending["new"]
         if not self._history:
             self._history = [bytearray() for _ in range(len(real))]
             self._tokens = [[] for _ in range(len(real))]
+            self._chains = [[] for _ in range(len(real))]
         for b, history in enumerate(self._history):
             history.extend(real[b].astype(np.uint8).tobytes())
             self._tokens[b].extend(ids[b][real[b]].tolist())
@@ -302,6 +403,7 @@ class PagedCache(Cache):
         self._lengths = [self._lengths[r] for r in rows]
         self._history = [bytearray(self._history[r]) for r in rows]
         self._tokens = [list(self._tokens[r]) for r in rows]
+        self._chains = [list(self._chains[r]) for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row `beam_idx[i]`, sharing its blocks."""
@@ -329,6 +431,7 @@ class PagedCache(Cache):
             del history[keep:]
             self._lengths[b] -= dropped
             del self._tokens[b][self._lengths[b] :]
+            del self._chains[b][self._lengths[b] // size :]
             blocks = -(-self._lengths[b] // size)
             pool.decref(self._tables[b][blocks:])
             del self._tables[b][blocks:]

@@ -18,7 +18,7 @@ class PoolExhaustedError(PagedKVError):
         self.needed, self.free, self.num_blocks = needed, free, num_blocks
         super().__init__(
             f"KV pool exhausted: this forward needs {needed} more block(s) but only {free} of "
-            f"{num_blocks} are free. Release finished caches (`cache.release()` or a `with` block), "
+            f"{num_blocks} are free or evictable. Release finished caches (`cache.release()` or a `with` block), "
             "or enable the model with a larger pool: "
             "`hf_paged_kv.enable(model, pool=KVPool(num_blocks=...))`."
         )

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .errors import PagedKVError, PoolExhaustedError
+from .reuse.prefix_index import PrefixIndex
 
 DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
 DEFAULT_DEVICE_FRACTION = 0.5  # of the free memory of each accelerator holding layers
@@ -50,6 +51,9 @@ class KVPool:
         max_bytes: int | None = None,
         memory_fraction: float | None = None,
         dtype: torch.dtype | None = None,
+        ttl: float | None = None,
+        half_life: float = 600.0,
+        semantic=None,
     ):
         if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
             raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
@@ -61,8 +65,17 @@ class KVPool:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         if memory_fraction is not None and not 0 < memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
+        if half_life <= 0:
+            raise ValueError(f"half_life must be > 0 seconds, got {half_life}")
         self.block_size = block_size
         self.dtype = dtype
+        self.ttl, self.half_life = ttl, half_life
+        self.semantic = semantic  # optional SemanticIndex
+        self.reuse_counters = dict.fromkeys(
+            ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "semantic_candidates",
+             "semantic_rejected"), 0)
         self._requested_blocks = num_blocks
         self._max_bytes = max_bytes
         self._memory_fraction = memory_fraction
@@ -77,7 +90,7 @@ class KVPool:
     def is_bound(self) -> bool:
         return bool(self.key_cache)
 
-    def bind(self, layers: list[LayerSpec], dtype: torch.dtype) -> None:
+    def bind(self, layers: list[LayerSpec], dtype: torch.dtype, fingerprint: str = "") -> None:
         """Allocate the block tensors for these layers (called by `hf_paged_kv.enable`)."""
         if self.is_bound:
             if layers != self.layers or (self.dtype or dtype) != self.dtype:
@@ -97,6 +110,9 @@ class KVPool:
             self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=spec.device))
         self.refcount = np.zeros(self.num_blocks, dtype=np.int32)
         self.fill = np.zeros(self.num_blocks, dtype=np.int32)
+        self.version = np.zeros(self.num_blocks, dtype=np.int64)  # bumped whenever a block is freed
+        self.fingerprint = f"{fingerprint}|block_size={self.block_size}|dtype={self.dtype}"
+        self.index = PrefixIndex(self.block_size, self.fingerprint, self.half_life, self.ttl)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.high_water = 0
 
@@ -131,20 +147,24 @@ class KVPool:
 
     # ---------------------------------------------------------------- allocator
     def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (reference count 1 each), or raise PoolExhaustedError."""
+        """Take `n` free blocks (reference count 1 each), evicting cached blocks when the free
+        list is short, or raise PoolExhaustedError (and take nothing)."""
         with self._lock:
+            self.reserve_check(n)
             if n > len(self._free):
-                raise PoolExhaustedError(n, len(self._free), self.num_blocks)
+                self._evict(n - len(self._free))
             ids = [self._free.pop() for _ in range(n)]
             self.refcount[ids] = 1
             self.high_water = max(self.high_water, self.num_blocks - len(self._free))
             return ids
 
     def incref(self, ids) -> None:
+        """Add a reference to blocks in use or cached by the prefix index (never to free ones)."""
         with self._lock:
             ids = np.asarray(ids, dtype=np.int64)
-            if (self.refcount[ids] <= 0).any():
-                raise PagedKVError(f"incref of a free block among {ids.tolist()}")
+            free = [b for b in ids.tolist() if self.refcount[b] <= 0 and not self.index.is_cached(b)]
+            if free:
+                raise PagedKVError(f"incref of free block(s) {free}")
             np.add.at(self.refcount, ids, 1)
 
     def decref(self, ids) -> None:
@@ -154,17 +174,47 @@ class KVPool:
                 if self.refcount[block] <= 0:
                     raise PagedKVError(f"double free of block {block}")
                 self.refcount[block] -= 1
-                if self.refcount[block] == 0:
-                    self.fill[block] = 0
-                    self._free.append(block)
+                if self.refcount[block] == 0 and not self.index.is_cached(block):
+                    self._release(block)
+
+    def _release(self, block: int) -> None:
+        self.fill[block] = 0
+        self.version[block] += 1
+        self._free.append(block)
+
+    def _evict(self, n: int) -> None:
+        """Free `n` blocks: cached prefix blocks first, then semantic entries' partial blocks."""
+        for block in self.index.evict(n, self.refcount):
+            self._release(block)
+        while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
+            pass
 
     def num_free(self) -> int:
         return len(self._free)
 
+    def num_available(self) -> int:
+        """Free blocks plus cached ones that eviction could free."""
+        held = self.semantic.held_blocks() if self.semantic is not None else 0
+        return len(self._free) + self.index.evictable(self.refcount) + held
+
     def reserve_check(self, n: int) -> None:
         """Raise PoolExhaustedError now if `n` blocks could not be allocated."""
-        if n > len(self._free):
-            raise PoolExhaustedError(n, len(self._free), self.num_blocks)
+        with self._lock:
+            if n > len(self._free) and n > self.num_available():
+                raise PoolExhaustedError(n, self.num_available(), self.num_blocks)
+
+    def clear_tenant(self, tenant: str) -> int:
+        """Forget every cached prefix of `tenant` (blocks in use stay with their caches but are
+        no longer shared); returns how many blocks were freed."""
+        with self._lock:
+            freed = 0
+            for block in self.index.forget_tenant(tenant):
+                if self.refcount[block] == 0:
+                    self._release(block)
+                    freed += 1
+            if self.semantic is not None:
+                freed += self.semantic.forget_tenant(tenant, self)
+            return freed
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one block's K and V in every layer (copy-on-write of a shared block)."""
@@ -177,12 +227,19 @@ class KVPool:
     def stats(self) -> dict:
         """A snapshot of the pool: sizes, occupancy and the high-water mark."""
         with self._lock:
-            used = self.num_blocks - len(self._free)
-            return {
+            cached = self.index.evictable(self.refcount) if self.is_bound else 0
+            used = self.num_blocks - len(self._free) - cached
+            reuse = dict(self.reuse_counters)
+            hits = reuse["hit_tokens_prefix"] + reuse["hit_tokens_semantic"]
+            reuse["hit_rate"] = hits / reuse["lookup_tokens"] if reuse["lookup_tokens"] else 0.0
+            if self.is_bound:
+                reuse.update(self.index.counters)
+            return reuse | {
                 "block_size": self.block_size,
                 "num_blocks": self.num_blocks,
                 "blocks_free": len(self._free),
                 "blocks_used": used,
+                "blocks_cached": cached,
                 "blocks_used_high_water": self.high_water,
                 "bytes_per_block": self.bytes_per_block if self.is_bound else 0,
                 "bytes_total": self.num_blocks * self.bytes_per_block if self.is_bound else 0,

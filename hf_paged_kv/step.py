@@ -40,6 +40,7 @@ class StepPlan:
     q_pos: torch.Tensor
     max_kv_len: int
     uniform: bool  # every row real at every position and of the same length: no mask needed
+    skip: int = 0  # leading input columns the forward may drop: every row has them cached or padded
     backend: str = "torch"  # set by the model's hook: which kernels read this plan
     memo: dict = field(default_factory=dict)  # per-device copies and backend scratch
 

@@ -86,10 +86,14 @@ def llama():
 
 
 def assert_pool_clean(pool):
-    """Every block is free again: nothing leaked, reference counts are zero."""
+    """After every request finished, each block is free or cached by the prefix index with
+    reference count 0: nothing leaked, and the counts add up to the pool size."""
     stats = pool.stats()
-    assert stats["blocks_free"] == stats["num_blocks"], stats
     assert (pool.refcount == 0).all()
+    assert stats["blocks_used"] == 0, stats
+    assert stats["blocks_free"] + stats["blocks_cached"] == stats["num_blocks"], stats
+    assert stats["blocks_cached"] == len(pool.index.blocks)
+    assert len(set(pool._free)) == len(pool._free) and not set(pool._free) & set(pool.index.blocks)
 
 
 @pytest.fixture(scope="session")

@@ -79,9 +79,9 @@ def test_multi_turn_chat_prefills_only_new_tokens(arch):
     seen = []
     original = cache.begin_forward
 
-    def spy(input_ids, attention_mask, batch, new):
+    def spy(input_ids, attention_mask, batch, new, *args):
         seen.append(new)
-        return original(input_ids, attention_mask, batch, new)
+        return original(input_ids, attention_mask, batch, new, *args)
 
     cache.begin_forward = spy
     got = converse(cache)

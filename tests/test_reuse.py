@@ -1,0 +1,284 @@
+"""Cross-request reuse: inherited prefixes give exactly the tokens computed without reuse."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from conftest import PAD, VOCAB, assert_pool_clean, greedy, make_model
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache, PoolExhaustedError
+
+BLOCK = 8
+
+
+def tokens(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), PAD)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :], mask[i, width - len(row) :] = row, 1
+    return ids, mask
+
+
+class Spy:
+    """Records the StepPlan of every forward of a cache (to see how much was skipped)."""
+
+    def __init__(self, cache):
+        self.plans = []
+        original = cache.begin_forward
+
+        def spy(*args):
+            plan = original(*args)
+            self.plans.append(plan)
+            return plan
+
+        cache.begin_forward = spy
+
+
+@pytest.fixture
+def model():
+    model = make_model("llama", seed=21)
+    yield model
+    hf_paged_kv.disable(model)
+
+
+def run(model, rows, reuse=True, tenant="default", new_tokens=12):
+    ids, mask = left_padded(rows)
+    cache = PagedCache(reuse=reuse, tenant=tenant)
+    spy = Spy(cache)
+    out = greedy(model, cache, ids, mask, new_tokens=new_tokens)
+    cache.release()
+    return out, spy.plans[0]
+
+
+def test_shared_prefix_is_inherited_and_gives_the_same_tokens(model):
+    system = tokens(40, 1)
+    first, second = torch.cat([system, tokens(5, 2)]), torch.cat([system, tokens(9, 3)])
+    expected = greedy(model, DynamicCache(), *left_padded([second]))
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    run(model, [first])
+    got, plan = run(model, [second])
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert plan.skip == 40  # the 5 full blocks of the system prompt were not recomputed
+    stats = pool.stats()
+    assert stats["hit_tokens_prefix"] == 40 and stats["lookups"] == 2
+    assert stats["hit_rate"] == pytest.approx(40 / (45 + 49))
+    no_reuse, plan = run(model, [second], reuse=False)
+    torch.testing.assert_close(no_reuse, expected, rtol=0, atol=0)
+    assert plan.skip == 0
+    assert_pool_clean(pool)
+
+
+def test_batch_rows_match_different_lengths(model):
+    long_prefix, short_prefix = tokens(48, 4), tokens(16, 5)
+    rows = [torch.cat([long_prefix, tokens(6, 6)]), torch.cat([short_prefix, tokens(20, 7)]), tokens(11, 8)]
+    expected = greedy(model, DynamicCache(), *left_padded(rows))
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=BLOCK))
+    run(model, [torch.cat([long_prefix, tokens(3, 9)]), torch.cat([short_prefix, tokens(30, 10)])])
+    got, plan = run(model, rows)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert pool.stats()["hit_tokens_prefix"] == 48 + 16
+    assert plan.skip == 54 - 20  # batch width minus the most any row computes (the short-prefix row: 20)
+    assert_pool_clean(pool)
+
+
+def test_stateless_multi_turn_reuses_the_previous_turn(model):
+    """A server that resends the whole history each turn with a fresh cache."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=BLOCK))
+    history = tokens(30, 11)
+    skipped = []
+    for turn in range(4):
+        ids = history[None]
+        expected = greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=6)
+        got, plan = run(model, [history], new_tokens=6)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+        skipped.append(plan.skip)
+        history = torch.cat([got[0], tokens(7, 12 + turn)])
+    assert skipped[0] == 0 and all(s >= 24 for s in skipped[1:])
+    assert_pool_clean(pool)
+
+
+def test_identical_blocks_in_one_batch_are_stored_once(model):
+    system = tokens(64, 13)
+    rows = [torch.cat([system, tokens(4 + i, 20 + i)]) for i in range(4)]
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=BLOCK))
+    ids, mask = left_padded(rows)
+    with PagedCache() as cache:
+        got = greedy(model, cache, ids, mask)
+        tables = cache.block_tables()
+        assert all(t[:8] == tables[0][:8] for t in tables)  # the system prompt's 8 blocks, shared
+        assert pool.stats()["blocks_used"] < sum(len(t) for t in tables) - 3 * 8 + 1
+    torch.testing.assert_close(got, greedy(model, DynamicCache(), ids, mask), rtol=0, atol=0)
+    assert_pool_clean(pool)
+
+
+def test_tenants_never_share_unless_published(model):
+    prompt = tokens(40, 14)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    run(model, [prompt], tenant="acme")
+    _, plan = run(model, [prompt], tenant="globex")  # identical prompt, other tenant: no hit
+    assert plan.skip == 0 and pool.stats()["hit_tokens_prefix"] == 0
+    _, plan = run(model, [prompt], tenant="acme")
+    assert plan.skip == 32
+    assert hf_paged_kv.publish(model, prompt[:24]) == 24
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 40, dtype=torch.long))
+    got, plan = run(model, [prompt], tenant="initech")
+    assert plan.skip == 24  # only the published part
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="tenant must be"):
+        PagedCache(tenant="__public__")
+    assert_pool_clean(pool)
+
+
+def test_clear_tenant_forgets_its_prefixes(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    run(model, [tokens(40, 15)], tenant="acme")
+    run(model, [tokens(40, 16)], tenant="globex")
+    cached = pool.stats()["blocks_cached"]
+    freed = pool.clear_tenant("acme")
+    assert freed > 0 and pool.stats()["blocks_cached"] == cached - freed
+    assert {e.tenant for e in pool.index.blocks.values()} == {"globex"}
+    _, plan = run(model, [tokens(40, 15)], tenant="acme")
+    assert plan.skip == 0
+    assert_pool_clean(pool)
+
+
+def test_ttl_expiry(model):
+    clock = [0.0]
+    pool = KVPool(num_blocks=64, block_size=BLOCK, ttl=10.0)
+    hf_paged_kv.enable(model, pool=pool)
+    pool.index.clock = lambda: clock[0]
+    prompt = tokens(40, 17)
+    run(model, [prompt])
+    clock[0] = 5.0
+    assert run(model, [prompt])[1].skip == 32
+    clock[0] = 11.0
+    assert run(model, [prompt])[1].skip == 0  # expired entries are never reused
+    pool.allocate(pool.num_free() + 1)  # pressure: expired blocks go first, and are counted as such
+    assert pool.stats()["expirations"] > 0
+    assert_pool_clean_after_free(pool)
+
+
+def assert_pool_clean_after_free(pool):
+    held = [b for b in range(pool.num_blocks) if pool.refcount[b]]
+    pool.decref(held)
+    assert_pool_clean(pool)
+
+
+def test_eviction_takes_cold_leaves_first(model):
+    clock = [0.0]
+    pool = KVPool(num_blocks=24, block_size=BLOCK, half_life=10.0)
+    hf_paged_kv.enable(model, pool=pool)
+    pool.index.clock = lambda: clock[0]
+    hot, cold = tokens(41, 18), tokens(40, 19)  # 41: all 5 full blocks of the hot prompt are reusable
+    run(model, [hot], new_tokens=1)
+    run(model, [cold], new_tokens=1)
+    cold_blocks = [pool.index.by_digest[d] for d in pool.index.extend(pool.index.root("default"), cold[:40])]
+    hot_blocks = [pool.index.by_digest[d] for d in pool.index.extend(pool.index.root("default"), hot[:40])]
+    for _ in range(3):  # the hot prefix is used again and again
+        clock[0] += 1
+        assert run(model, [hot], new_tokens=1)[1].skip == 40
+    clock[0] += 1
+    taken = pool.allocate(pool.num_free() + 3)  # needs 3 evictions
+    assert pool.stats()["evictions"] == 3
+    # the cold prefix lost its 3 deepest blocks, leaf first; every hot block is still cached
+    assert [b in pool.index.blocks for b in cold_blocks] == [True, True, False, False, False]
+    assert all(b in pool.index.blocks for b in hot_blocks)
+    pool.decref(taken)
+    assert run(model, [cold], new_tokens=1)[1].skip == 16
+    assert run(model, [hot], new_tokens=1)[1].skip == 40
+    assert_pool_clean(pool)
+
+
+def test_pool_exhaustion_with_reuse_leaves_no_trace(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=8, block_size=BLOCK))
+    system = tokens(32, 22)
+    run(model, [torch.cat([system, tokens(3, 23)])], new_tokens=1)
+    before = pool.refcount.copy()
+    with pytest.raises(PoolExhaustedError):
+        run(model, [torch.cat([system, tokens(70, 24)])])
+    assert (pool.refcount == before).all()  # inherited blocks were given back
+    assert_pool_clean(pool)
+
+
+def test_failed_forward_is_undone(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    prompt = tokens(30, 25)
+    ids = prompt[None]
+    expected = greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=6)
+    calls = [0]
+
+    def fail_once(module, args):
+        calls[0] += 1
+        if calls[0] == 3:  # the decode step after prefill + 1 token, in the second layer
+            raise RuntimeError("injected failure")
+
+    handle = model.model.layers[1].register_forward_pre_hook(fail_once)
+    cache = PagedCache()
+    with pytest.raises(RuntimeError, match="injected"):
+        greedy(model, cache, ids, torch.ones_like(ids), new_tokens=6)
+    handle.remove()
+    assert cache.row_lengths() == [31] and cache.get_seq_length() == 31  # the failed step left no trace
+    cache.release()
+    got, _ = run(model, [prompt], new_tokens=6)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert_pool_clean(pool)
+
+
+def test_concurrent_generate_calls_on_one_pool(model):
+    system = tokens(32, 26)
+    prompts = [torch.cat([system, tokens(5 + i, 30 + i)]) for i in range(6)]
+    expected = [greedy(model, DynamicCache(), p[None], torch.ones(1, len(p), dtype=torch.long)) for p in prompts]
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=96, block_size=BLOCK))
+    results, errors = {}, []
+
+    def worker(i):
+        try:
+            for _ in range(2):
+                results[i] = run(model, [prompts[i]])[0]
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    for i, e in enumerate(expected):
+        torch.testing.assert_close(results[i], e, rtol=0, atol=0)
+    assert pool.stats()["hit_tokens_prefix"] > 0
+    assert_pool_clean(pool)
+
+
+def test_pipeline_reuses_prefixes_across_calls():
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w3"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w2")
+    model = make_model("llama", seed=31)
+    system = " ".join(f"w{i}" for i in tokens(40, 32).tolist())
+    questions = [system + " " + " ".join(f"w{i}" for i in tokens(6, 40 + q).tolist()) for q in range(3)]
+    kwargs = dict(max_new_tokens=6, do_sample=False, return_full_text=False)
+    import transformers
+
+    plain = transformers.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    expected = [plain(q, **kwargs)[0]["generated_text"] for q in questions]
+    paged = hf_paged_kv.pipeline("text-generation", model=model, tokenizer=tokenizer)
+    got = [paged(q, **kwargs)[0]["generated_text"] for q in questions]
+    assert got == expected
+    pool = hf_paged_kv.pool_of(model)
+    assert pool.stats()["hit_tokens_prefix"] == 2 * (40 // 16 * 16)  # calls 2 and 3 inherit the whole blocks
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
