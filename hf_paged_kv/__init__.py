@@ -12,6 +12,7 @@ from .cache import PagedCache
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
 from .pipeline import pipeline
 from .pool import KVPool
+from .reuse import SemanticIndex
 
 __all__ = [
     "enable",
@@ -21,6 +22,7 @@ __all__ = [
     "pipeline",
     "PagedCache",
     "KVPool",
+    "SemanticIndex",
     "PagedKVError",
     "PoolExhaustedError",
     "NotEnabledError",

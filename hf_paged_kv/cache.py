@@ -80,8 +80,17 @@ class PagedCache(Cache):
         """Free every block this cache holds. Using the cache afterwards raises CacheReleasedError."""
         if self._released:
             return
+        self._offer_to_semantic_index()
         self._drop_rows()
         self._released = True
+
+    def _offer_to_semantic_index(self) -> None:
+        pool = self._pool
+        if not (self.reuse and pool is not None and pool.semantic is not None and self._pending is None):
+            return
+        with pool._lock:
+            for tokens, table in zip(self._tokens, self._tables):
+                pool.semantic.add(pool, self.tenant, tokens, table)
 
     def __enter__(self) -> "PagedCache":
         return self
@@ -194,13 +203,13 @@ class PagedCache(Cache):
         lengths = np.array(self._lengths if rows else [0] * batch, dtype=np.int64)
         canonical = self._duplicate_rows(ids, real) if fresh and input_ids is not None else list(range(batch))
         tables = [list(t) for t in self._tables] if rows else [[] for _ in range(batch)]
-        computed = real
-        if fresh and allow_reuse and self.reuse and input_ids is not None:
-            computed = self._inherit(ids, real, canonical, tables, lengths)
-        counts = computed.sum(axis=1)
-        skip = new - int(counts.max()) if batch else 0  # leading columns no row computes
-        computed, width = computed[:, skip:], new - skip
         try:
+            computed = real
+            if fresh and allow_reuse and self.reuse and input_ids is not None:
+                computed = self._inherit(ids, real, canonical, tables, lengths)
+            counts = computed.sum(axis=1)
+            skip = new - int(counts.max()) if batch else 0  # leading columns no row computes
+            computed, width = computed[:, skip:], new - skip
             self._reserve(tables, lengths, counts, canonical)
         except PoolExhaustedError:
             if fresh:
@@ -255,7 +264,7 @@ class PagedCache(Cache):
                 counters["lookups"] += 1
                 counters["lookup_tokens"] += len(tokens)
                 limit = len(tokens) - 1
-                blocks = pool.index.match(self.tenant, tokens, max(limit, 0) // size)
+                blocks = tables[b] = pool.index.match(self.tenant, tokens, max(limit, 0) // size)
                 pool.incref(blocks)
                 length = len(blocks) * size
                 counters["hit_tokens_prefix"] += length
@@ -263,7 +272,7 @@ class PagedCache(Cache):
                     extended = pool.semantic.extend(pool, self.tenant, tokens, limit, blocks)
                     counters["hit_tokens_semantic"] += extended - length
                     length = extended
-                tables[b], lengths[b] = blocks, length
+                lengths[b] = length
                 computed[b, np.flatnonzero(real[b])[:length]] = False
         return computed
 

@@ -152,10 +152,12 @@ class KVPool:
         with self._lock:
             self.reserve_check(n)
             if n > len(self._free):
-                self._evict(n - len(self._free))
+                self._evict_until_free(n)
+            if n > len(self._free):  # shared semantic blocks did not free as counted
+                raise PoolExhaustedError(n, len(self._free), self.num_blocks)
             ids = [self._free.pop() for _ in range(n)]
             self.refcount[ids] = 1
-            self.high_water = max(self.high_water, self.num_blocks - len(self._free))
+            self.high_water = max(self.high_water, int((self.refcount > 0).sum()))
             return ids
 
     def incref(self, ids) -> None:
@@ -182,9 +184,10 @@ class KVPool:
         self.version[block] += 1
         self._free.append(block)
 
-    def _evict(self, n: int) -> None:
-        """Free `n` blocks: cached prefix blocks first, then semantic entries' partial blocks."""
-        for block in self.index.evict(n, self.refcount):
+    def _evict_until_free(self, n: int) -> None:
+        """Evict until `n` blocks are free: cached prefix blocks first (by value), then the
+        oldest semantic entries' partial blocks."""
+        for block in self.index.evict(n - len(self._free), self.refcount):
             self._release(block)
         while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
             pass
@@ -194,7 +197,7 @@ class KVPool:
 
     def num_available(self) -> int:
         """Free blocks plus cached ones that eviction could free."""
-        held = self.semantic.held_blocks() if self.semantic is not None else 0
+        held = self.semantic.held_blocks(self) if self.semantic is not None else 0
         return len(self._free) + self.index.evictable(self.refcount) + held
 
     def reserve_check(self, n: int) -> None:

