@@ -2,6 +2,9 @@
 
     python bench/bench_paging.py [--new-tokens 64] [--repeats 3]
 
+Reuse is switched off (`PagedCache(reuse=False)`): these figures are about paging alone;
+bench_reuse.py measures reuse.
+
 (a) one batch of 8 prompts of 32..512 tokens (real text, left-padded): KV bytes held at the end
     of generation and tokens/s; (b) decode time per token at batch 1 and batch 8: after the prefill, the median of N
     single-token forwards (the calls generate's decode loop makes). Both caches run
@@ -63,7 +66,7 @@ def run_both(model, ids, mask, new_tokens, repeats):
     times = {"dynamic": [], "paged": []}
     for _ in tqdm(range(repeats), desc=f"batch {len(ids)}, {new_tokens} new tokens", leave=False):
         for kind in times:
-            cache = DynamicCache() if kind == "dynamic" else PagedCache()
+            cache = DynamicCache() if kind == "dynamic" else PagedCache(reuse=False)
             start = time.perf_counter()
             generate(model, cache, ids, mask, new_tokens)
             times[kind].append(time.perf_counter() - start)
@@ -86,7 +89,7 @@ def main() -> None:
     # (a) memory and throughput of one padded batch
     dynamic = DynamicCache()
     out_dynamic = generate(model, dynamic, ids, mask, n)
-    with PagedCache() as paged:
+    with PagedCache(reuse=False) as paged:
         out_paged = generate(model, paged, ids, mask, n)
         paged_bytes, dynamic_bytes = paged_cache_bytes(paged), dynamic_cache_bytes(dynamic)
     identical = torch.equal(out_dynamic, out_paged)
@@ -109,7 +112,7 @@ def main() -> None:
         per_token = {"dynamic": [], "paged": []}
         for _ in tqdm(range(args.repeats), desc=f"decode, batch {batch}", leave=False):
             for kind in per_token:
-                cache = DynamicCache() if kind == "dynamic" else PagedCache()
+                cache = DynamicCache() if kind == "dynamic" else PagedCache(reuse=False)
                 per_token[kind].append(decode_ms_per_token(model, cache, b_ids, b_mask, n))
                 if kind == "paged":
                     cache.release()
@@ -118,7 +121,7 @@ def main() -> None:
     table_b = markdown_table(["batch", "DynamicCache ms/token", "PagedCache ms/token", "ratio"], rows)
 
     body = (
-        "### Paging: KV memory and speed (SmolLM2-135M, fp32, torch backend)\n\n"
+        "### Paging: KV memory and speed (SmolLM2-135M, fp32, torch backend, reuse off)\n\n"
         f"(a) 8 prompts of {LENGTHS[0]}..{LENGTHS[-1]} tokens of real text, left-padded, {n} new tokens each, "
         f"block size {pool.block_size}:\n\n{table_a}\n\n"
         f"(b) decode time per token (median of {n} steps after the prefill; median of {args.repeats} runs), "

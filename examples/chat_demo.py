@@ -2,10 +2,11 @@
 
     bash scripts/demo.sh            # bootstraps .venv, then runs this file
 
-The workload: a batch of support questions of very different lengths (left-padded into one
-`generate` call) and a three-turn conversation that reuses one cache across turns. Each piece
-runs twice, with `DynamicCache` and with `PagedCache`; the replies must be identical, and the
-table at the end shows the KV memory each cache held when its work finished.
+The workload: a batch of questions of very different lengths (left-padded into one `generate`
+call), a three-turn conversation that reuses one cache across turns, and a support bot whose
+four requests share a long system prompt (PagedCache inherits its KV from the first request).
+Each piece runs twice, with `DynamicCache` and with `PagedCache`; the replies must be
+identical, and the table at the end shows the KV memory each cache held when its work finished.
 """
 
 from __future__ import annotations
@@ -35,6 +36,20 @@ QUESTIONS = [
     "Tuesdays about a quarter of the bread is left over and we give it to a food bank. I am wondering "
     "whether to close on Mondays, raise prices, or bake less on weekdays. What would you look at first?",
 ]
+SUPPORT_SYSTEM = (
+    "You are the support assistant of Northwind Bikes, a shop that sells and repairs city bikes, e-bikes and "
+    "cargo bikes. Opening hours are Monday to Saturday, nine to six. Repairs are booked online and usually take "
+    "two working days; a basic service costs 59 euros, a full service 119 euros, parts extra. New bikes come "
+    "with two years of warranty on the frame and one year on parts; batteries of e-bikes are covered for 500 "
+    "charge cycles. Returns are accepted within 30 days if the bike was not ridden outdoors. Be brief, friendly "
+    "and precise, and never promise anything that is not in these rules."
+)
+SUPPORT_QUESTIONS = [
+    "How long does a repair take?",
+    "Is my e-bike battery still under warranty after 300 charges?",
+    "Can I return a bike I rode once in the park?",
+    "What does a full service cost?",
+]
 GREEDY = dict(do_sample=False, repetition_penalty=1.2)  # deterministic, so both caches must agree
 CONVERSATION = [
     "I am planning a trip to Lisbon in spring. What should I pack?",
@@ -43,17 +58,18 @@ CONVERSATION = [
 ]
 
 
-def dynamic_cache_held(cache: DynamicCache) -> tuple[str, int, int]:
-    """("-", bytes, tokens) held by a DynamicCache: every row at the padded length."""
-    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
-    keys = cache.layers[0].keys
-    return "-", nbytes, keys.shape[0] * keys.shape[2]
+def dynamic_cache_held(caches: list[DynamicCache]) -> tuple[str, int, int]:
+    """("-", bytes, tokens) held by DynamicCaches: every row at the padded length."""
+    nbytes = sum(layer.keys.nbytes + layer.values.nbytes for cache in caches for layer in cache.layers)
+    tokens = sum(cache.layers[0].keys.shape[0] * cache.layers[0].keys.shape[2] for cache in caches)
+    return "-", nbytes, tokens
 
 
-def paged_cache_bytes(cache: PagedCache) -> tuple[int, int, int]:
-    """(blocks, bytes, tokens) held by this cache; shared blocks counted once."""
-    blocks = {b for table in cache.block_tables() for b in table}
-    return len(blocks), len(blocks) * cache.pool.bytes_per_block, sum(cache.row_lengths())
+def paged_cache_held(caches: list[PagedCache]) -> tuple[int, int, int]:
+    """(blocks, bytes, tokens) held by PagedCaches; blocks shared between them counted once."""
+    blocks = {b for cache in caches for table in cache.block_tables() for b in table}
+    tokens = sum(sum(cache.row_lengths()) for cache in caches)
+    return len(blocks), len(blocks) * caches[0].pool.bytes_per_block, tokens
 
 
 def chat_batch(model, tokenizer, questions, cache, max_new_tokens):
@@ -78,6 +94,20 @@ def conversation(model, tokenizer, turns, cache, max_new_tokens):
     return replies
 
 
+def support_bot(model, tokenizer, make_cache, max_new_tokens):
+    """One request per question, all sharing the system prompt; the caches stay alive together
+    (like concurrent sessions of a server) so the memory they hold can be compared."""
+    caches, replies = [], []
+    for question in SUPPORT_QUESTIONS:
+        messages = [{"role": "system", "content": SUPPORT_SYSTEM}, {"role": "user", "content": question}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        cache = make_cache()
+        out = model.generate(**ids, past_key_values=cache, max_new_tokens=max_new_tokens, **GREEDY)
+        replies.append(tokenizer.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+        caches.append(cache)
+    return replies, caches
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -90,7 +120,7 @@ def main() -> None:
     print(f"Pool: {pool}\n")
 
     rows, results = [], {}
-    jobs = [("batch of 4 questions", "batch"), ("3-turn conversation", "chat")]
+    jobs = [("batch of 5 questions", "batch"), ("3-turn conversation", "chat"), ("support bot, 4 requests", "support")]
     with tqdm(total=2 * len(jobs), desc="generating", unit="run") as progress:
         for label, kind in jobs:
             per_cache = {}
@@ -98,15 +128,16 @@ def main() -> None:
                 cache = DynamicCache() if name == "DynamicCache" else PagedCache()
                 start = time.perf_counter()
                 if kind == "batch":
-                    replies = chat_batch(model, tokenizer, QUESTIONS, cache, args.max_new_tokens)
+                    replies, caches = chat_batch(model, tokenizer, QUESTIONS, cache, args.max_new_tokens), [cache]
+                elif kind == "chat":
+                    replies, caches = conversation(model, tokenizer, CONVERSATION, cache, args.max_new_tokens), [cache]
                 else:
-                    replies = conversation(model, tokenizer, CONVERSATION, cache, args.max_new_tokens)
+                    replies, caches = support_bot(model, tokenizer, type(cache), args.max_new_tokens)
                 seconds = time.perf_counter() - start
-                if name == "DynamicCache":
-                    held = dynamic_cache_held(cache)
-                else:
-                    held = paged_cache_bytes(cache)
-                    cache.release()
+                held = (dynamic_cache_held if name == "DynamicCache" else paged_cache_held)(caches)
+                for c in caches:
+                    if name == "PagedCache":
+                        c.release()
                 per_cache[name] = (replies, held, seconds)
                 progress.update()
             results[label] = per_cache
@@ -115,22 +146,26 @@ def main() -> None:
 
     for label, per_cache in results.items():
         print(f"\n=== {label} (PagedCache replies) ===")
-        prompts = QUESTIONS if label.startswith("batch") else CONVERSATION
+        prompts = {"batch": QUESTIONS, "3-turn": CONVERSATION, "support": SUPPORT_QUESTIONS}[label.split()[0]]
         for prompt, reply in zip(prompts, per_cache["PagedCache"][0]):
             print(f"> {prompt}\n  {reply.strip()}\n")
 
-    print("KV memory held when the work finished (fp32, 30 layers, 3 KV heads x 64):\n")
-    header = f"{'workload':<22} {'cache':<13} {'blocks':>7} {'KV bytes':>12} {'tokens':>7} {'seconds':>8}  same replies"
+    print("KV memory held when the work finished (fp32, 30 layers, 3 KV heads x 64); "
+          "'tokens' counts every row's stored tokens:\n")
+    header = f"{'workload':<24} {'cache':<13} {'blocks':>7} {'KV bytes':>12} {'tokens':>7} {'seconds':>8}  same replies"
     print(header)
     print("-" * len(header))
     for label, dyn, pag, dyn_s, pag_s, same in rows:
-        print(f"{label:<22} {'DynamicCache':<13} {dyn[0]:>7} {dyn[1]:>12,} {dyn[2]:>7} {dyn_s:>8.1f}")
-        print(f"{'':<22} {'PagedCache':<13} {pag[0]:>7} {pag[1]:>12,} {pag[2]:>7} {pag_s:>8.1f}  {'yes' if same else 'NO'}")
-        print(f"{'':<22} {'ratio':<13} {'':>7} {pag[1] / dyn[1]:>12.2f}x")
+        print(f"{label:<24} {'DynamicCache':<13} {dyn[0]:>7} {dyn[1]:>12,} {dyn[2]:>7} {dyn_s:>8.1f}")
+        print(f"{'':<24} {'PagedCache':<13} {pag[0]:>7} {pag[1]:>12,} {pag[2]:>7} {pag_s:>8.1f}  {'yes' if same else 'NO'}")
+        print(f"{'':<24} {'ratio':<13} {'':>7} {pag[1] / dyn[1]:>12.2f}x")
     stats = pool.stats()
     print(f"\nPool after all requests: {stats['blocks_free']}/{stats['num_blocks']} blocks free, "
           f"high-water mark {stats['blocks_used_high_water']} blocks "
           f"({stats['blocks_used_high_water'] * stats['bytes_per_block'] / 2**20:.1f} MiB)")
+    print(f"Reuse: {stats['lookups']} lookups, {stats['hit_tokens_prefix']} prompt tokens inherited from "
+          f"earlier requests instead of recomputed (hit rate {stats['hit_rate']:.0%}), "
+          f"{stats['blocks_cached']} blocks cached for later requests")
     if not all(row[-1] for row in rows):
         raise SystemExit("PagedCache replies differ from DynamicCache replies")
 

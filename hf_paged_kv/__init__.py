@@ -7,9 +7,10 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
-from .attention import disable, enable, pool_of, publish
+from .attention import disable, enable, pin, pool_of, publish, unpin
 from .cache import PagedCache
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
+from .pinning import PinBudgetError
 from .pipeline import pipeline
 from .pool import KVPool
 from .reuse import SemanticIndex
@@ -19,6 +20,9 @@ __all__ = [
     "disable",
     "pool_of",
     "publish",
+    "pin",
+    "unpin",
+    "PinBudgetError",
     "pipeline",
     "PagedCache",
     "KVPool",

@@ -6,7 +6,9 @@
 
 How one forward runs on an enabled model:
 1. the forward pre-hook sees `input_ids`, `attention_mask` and `past_key_values`; for a
-   PagedCache it binds the cache to the model's pool and plans the forward (blocks, slots);
+   PagedCache it binds the cache to the model's pool and plans the forward (blocks, slots).
+   On the first forward of a fresh cache inside `generate`, rows inherit their longest cached
+   prefix and the hook drops the input columns no row needs to compute;
 2. each attention layer calls `cache.update(k, v, layer_idx)`, which writes the real tokens
    into their blocks;
 3. the registered attention function reads the whole sequence from the pool with the chosen
@@ -105,17 +107,47 @@ def publish(model, prefix, tokenizer=None) -> int:
     such as a common system prompt. Returns the number of tokens published (whole blocks).
     """
     pool = pool_of(model)
-    if isinstance(prefix, str):
-        if tokenizer is None:
-            raise ValueError("publishing text needs its tokenizer")
-        prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    ids = torch.as_tensor(prefix, dtype=torch.long).reshape(1, -1).to(model.device)
+    ids = _prefix_ids(model, prefix, tokenizer)
     cache = PagedCache()
     cache.tenant = PUBLIC_TENANT  # deliberately set here: the constructor refuses it
     with torch.inference_mode():
         model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
     cache.release()
     return ids.shape[1] // pool.block_size * pool.block_size
+
+
+def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 0, ttl: float | None = None):
+    """Compute (or find) the KV of `prefix` for `tenant` and lock its full blocks in device
+    memory: they are never evicted until `unpin` or the TTL (seconds). Returns the `Pin`.
+
+    `prefix` is token ids or text with its `tokenizer`. Raises `PinBudgetError` when the pool's
+    pin budget cannot hold it even after displacing lower-priority pins.
+    """
+    pool = pool_of(model)
+    ids = _prefix_ids(model, prefix, tokenizer)
+    if ids.shape[1] < pool.block_size:
+        raise ValueError(f"a prefix of {ids.shape[1]} tokens fills no block of {pool.block_size}; nothing to pin")
+    with PagedCache(tenant=tenant) as cache:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
+        with pool._lock:
+            return pool.pins.add(blocks, tenant, priority, ttl, "explicit")
+
+
+def unpin(model, pin) -> None:
+    """Release a pin; its blocks stay cached (evictable) for reuse."""
+    pool = pool_of(model)
+    with pool._lock:
+        pool.pins.remove(pin)
+
+
+def _prefix_ids(model, prefix, tokenizer) -> torch.Tensor:
+    if isinstance(prefix, str):
+        if tokenizer is None:
+            raise ValueError("a text prefix needs its tokenizer")
+        prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    return torch.as_tensor(prefix, dtype=torch.long).reshape(1, -1).to(model.device)
 
 
 # ----------------------------------------------------------------- model checks

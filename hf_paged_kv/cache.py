@@ -38,16 +38,24 @@ class PagedCache(Cache):
             prefixes published to all by `hf_paged_kv.publish`).
         reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
             ones (default). `False` computes everything and shares nothing.
+        pin_turns: pin the first N turns of this conversation (a turn is a prefill of more
+            than one token, i.e. one `generate` call) in device memory, within the pool's pin
+            budget; see `hf_paged_kv.pinning`.
     """
 
     is_compileable = False  # True would switch on transformers' auto-compile for custom caches
 
-    def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True):
+    def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True, pin_turns: int = 0):
         super().__init__(layers=[])
         if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
             raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
+        if pin_turns < 0 or (pin_turns and not reuse):
+            raise ValueError("pin_turns must be >= 0, and pinned turns are only useful with reuse=True")
         self.tenant = tenant
         self.reuse = reuse
+        self.pin_turns = pin_turns
+        self._turn_starts: list[list[int]] = []  # row lengths when each prefill (turn) began
+        self._turns_pinned = False
         self._pool = pool
         self._chains: list[list[bytes]] = []  # digests of each row's indexed full blocks
         self._before: dict | None = None  # row state before the current forward (to undo a failure)
@@ -80,9 +88,20 @@ class PagedCache(Cache):
         """Free every block this cache holds. Using the cache afterwards raises CacheReleasedError."""
         if self._released:
             return
+        if self.pin_turns and self._turn_starts and not self._turns_pinned and self._pending is None:
+            self._pin_first_turns(self._lengths)
         self._offer_to_semantic_index()
         self._drop_rows()
         self._released = True
+
+    def _pin_first_turns(self, lengths: list[int]) -> None:
+        """Pin each row's full blocks before `lengths` (the end of the first pin_turns turns)."""
+        pool, size = self._pool, self._pool.block_size
+        with pool._lock:
+            for table, length in zip(self._tables, lengths):
+                if length >= size:
+                    pool.pins.add(table[: length // size], self.tenant, 0, None, "turns")
+        self._turns_pinned = True
 
     def _offer_to_semantic_index(self) -> None:
         pool = self._pool
@@ -264,8 +283,8 @@ class PagedCache(Cache):
                 counters["lookups"] += 1
                 counters["lookup_tokens"] += len(tokens)
                 limit = len(tokens) - 1
-                blocks = tables[b] = pool.index.match(self.tenant, tokens, max(limit, 0) // size)
-                pool.incref(blocks)
+                blocks = tables[b] = pool.acquire_prefix(self.tenant, tokens, max(limit, 0) // size)
+                pool.pins.observe(self.tenant, list(blocks))
                 length = len(blocks) * size
                 counters["hit_tokens_prefix"] += length
                 if pool.semantic is not None and limit > 0:
@@ -389,6 +408,10 @@ class PagedCache(Cache):
         pending, self._pending = self._pending, None
         self._before = {"lengths": list(self._lengths), "logical": self._logical}
         real, ids, new = pending["real"], pending["ids"], pending["new"]
+        if new > 1 and self.pin_turns:
+            self._turn_starts.append(list(self._lengths) or [0] * len(real))
+            if len(self._turn_starts) == self.pin_turns + 1 and not self._turns_pinned:
+                self._pin_first_turns(self._turn_starts[-1])
         if not self._history:
             self._history = [bytearray() for _ in range(len(real))]
             self._tokens = [[] for _ in range(len(real))]

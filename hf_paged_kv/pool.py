@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from .errors import PagedKVError, PoolExhaustedError
+from .pinning import PinRegistry
+from .tiers.host import HostTier
 from .reuse.prefix_index import PrefixIndex
 
 DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
@@ -54,6 +56,9 @@ class KVPool:
         ttl: float | None = None,
         half_life: float = 600.0,
         semantic=None,
+        pin_budget: float = 0.25,
+        hot_threshold: float | None = 8.0,
+        host_blocks: int | None = None,
     ):
         if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
             raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
@@ -73,6 +78,9 @@ class KVPool:
         self.dtype = dtype
         self.ttl, self.half_life = ttl, half_life
         self.semantic = semantic  # optional SemanticIndex
+        self.pin_budget, self.hot_threshold = pin_budget, hot_threshold
+        self.host_blocks = host_blocks
+        self.host: HostTier | None = None
         self.reuse_counters = dict.fromkeys(
             ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "semantic_candidates",
              "semantic_rejected"), 0)
@@ -113,6 +121,9 @@ class KVPool:
         self.version = np.zeros(self.num_blocks, dtype=np.int64)  # bumped whenever a block is freed
         self.fingerprint = f"{fingerprint}|block_size={self.block_size}|dtype={self.dtype}"
         self.index = PrefixIndex(self.block_size, self.fingerprint, self.half_life, self.ttl)
+        self.pins = PinRegistry(self, self.pin_budget, self.hot_threshold)
+        if self.host_blocks:
+            self.host = HostTier(self, self.host_blocks)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.high_water = 0
 
@@ -187,10 +198,45 @@ class KVPool:
     def _evict_until_free(self, n: int) -> None:
         """Evict until `n` blocks are free: cached prefix blocks first (by value), then the
         oldest semantic entries' partial blocks."""
-        for block in self.index.evict(n - len(self._free), self.refcount):
+        self.pins.expire(self.index.clock())
+        now = self.index.clock()
+        for block, entry in self.index.evict(n - len(self._free), self.refcount):
+            if self.host is not None and not (entry.expires is not None and now >= entry.expires):
+                self.host.demote(block, entry)  # cold, not dead: keep it one tier down
             self._release(block)
         while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
             pass
+
+    def acquire_prefix(self, tenant: str, tokens, max_blocks: int) -> list[int]:
+        """Referenced blocks of the longest cached prefix of `tokens` (at most `max_blocks`),
+        from the device index or, failing that, copied back from the host tier."""
+        with self._lock:
+            now, found = self.index.clock(), []
+            for position, (mine, shared) in enumerate(self.index.digest_pairs(tenant, tokens, max_blocks)):
+                block = self.index.lookup(mine, now)
+                block = self.index.lookup(shared, now) if block is None else block
+                if block is not None:
+                    self.incref([block])
+                elif (block := self._promote(mine, position, found, now)) is None:
+                    if (block := self._promote(shared, position, found, now)) is None:
+                        break
+                found.append(block)
+            self.index.touch(found, now)
+            return found
+
+    def _promote(self, digest: bytes, position: int, found: list[int], now: float) -> int | None:
+        """Bring the host-tier copy of `digest` back into a fresh device block (referenced)."""
+        if self.host is None or self.host.lookup(digest, now) is None or self.num_available() < 1:
+            return None
+        (block,) = self.allocate(1)  # may demote other blocks and so drop host slots: look again
+        slot = self.host.lookup(digest, now)
+        if slot is None:
+            self.decref([block])
+            return None
+        entry = self.host.promote(slot, block)
+        self.index.adopt(block, digest, entry.tenant, position, found[-1] if found else None, entry.weight,
+                         entry.last_access, entry.expires)
+        return block
 
     def num_free(self) -> int:
         return len(self._free)
@@ -248,7 +294,13 @@ class KVPool:
                 "bytes_total": self.num_blocks * self.bytes_per_block if self.is_bound else 0,
                 "bytes_used": used * self.bytes_per_block if self.is_bound else 0,
                 "tokens_stored": int(self.fill.sum()) if self.is_bound else 0,
-            }
+            } | (self.pins.stats() if self.is_bound else {}) | self._host_stats()
+
+    def _host_stats(self) -> dict:
+        if self.host is None:
+            return {}
+        return {"host_blocks": self.host.num_blocks, "host_blocks_used": self.host.used(),
+                "host_bytes_used": self.host.used() * self.host.bytes_per_block()} | self.host.counters
 
     def __repr__(self) -> str:
         if not self.is_bound:

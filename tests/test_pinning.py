@@ -1,0 +1,120 @@
+"""Pinning: pinned prefixes survive any pressure, within a budget, until unpinned or expired."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache, PinBudgetError
+
+BLOCK = 8
+
+
+def tokens(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def model():
+    model = make_model("llama", seed=41)
+    yield model
+    hf_paged_kv.disable(model)
+
+
+def skip_of(model, prompt, **cache_kwargs):
+    """How many prompt tokens a fresh request inherits (and its output)."""
+    cache = PagedCache(**cache_kwargs)
+    seen = []
+    original = cache.begin_forward
+    cache.begin_forward = lambda *a: seen.append(original(*a)) or seen[-1]
+    out = greedy(model, cache, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=4)
+    cache.release()
+    return seen[0].skip, out
+
+
+def test_pinned_prefix_survives_any_pressure(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, pin_budget=0.5))
+    system = tokens(40, 1)
+    pin = hf_paged_kv.pin(model, system)
+    assert pin.blocks and len(pin.blocks) == 5
+    for seed in range(2, 8):  # churn: one-off requests that fill the pool
+        skip_of(model, tokens(60, seed))
+    taken = pool.allocate(pool.num_available())  # everything evictable is gone
+    assert all(pool.index.is_cached(b) and pool.refcount[b] >= 1 for b in pin.blocks)
+    pool.decref(taken)
+    prompt = torch.cat([system, tokens(5, 9)])
+    skipped, out = skip_of(model, prompt)
+    assert skipped == 40
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 45, dtype=torch.long), new_tokens=4)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    hf_paged_kv.unpin(model, pin)
+    assert pool.stats()["blocks_pinned"] == 0
+    assert_pool_clean(pool)
+
+
+def test_budget_holds_and_priority_displaces(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
+    low = hf_paged_kv.pin(model, tokens(48, 10), priority=0)
+    with pytest.raises(PinBudgetError, match="exceeds the pin budget of 10 blocks"):
+        hf_paged_kv.pin(model, tokens(48, 11), priority=0)
+    assert pool.stats()["blocks_pinned"] == 6  # the failed pin changed nothing
+    high = hf_paged_kv.pin(model, tokens(48, 11), priority=5)
+    stats = pool.stats()
+    assert [p["id"] for p in stats["pins"]] == [high.id] and stats["blocks_pinned"] == 6
+    assert low.id not in pool.pins.pins
+    with pytest.raises(ValueError, match="fills no block"):
+        hf_paged_kv.pin(model, tokens(5, 12))
+    hf_paged_kv.unpin(model, high)
+    assert_pool_clean(pool)
+
+
+def test_pins_expire_at_their_ttl(model):
+    clock = [0.0]
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK))
+    pool.index.clock = lambda: clock[0]
+    hf_paged_kv.pin(model, tokens(40, 13), ttl=30)
+    clock[0] = 29.0
+    assert pool.stats()["blocks_pinned"] == 5 and pool.stats()["pins"][0]["expires_in"] == pytest.approx(1.0)
+    clock[0] = 31.0
+    assert pool.stats()["blocks_pinned"] == 0
+    assert_pool_clean(pool)
+
+
+def test_pin_turns_pins_the_first_turns(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK))
+    cache = PagedCache(pin_turns=1)
+    history = tokens(35, 14)
+    for turn in range(3):
+        ids = history[None]
+        history = torch.cat([greedy(model, cache, ids, torch.ones_like(ids), new_tokens=4)[0], tokens(9, 20 + turn)])
+        if turn == 0:
+            assert pool.stats()["blocks_pinned"] == 0  # pinned once the second turn starts
+    stats = pool.stats()
+    assert [p["reason"] for p in stats["pins"]] == ["turns"]
+    assert stats["pins"][0]["tokens"] == 32  # the first turn's 35 tokens: 4 whole blocks
+    first_turn_blocks = cache.block_tables()[0][:4]
+    cache.release()
+    taken = pool.allocate(pool.num_available())
+    assert all(pool.index.is_cached(b) for b in first_turn_blocks)
+    pool.decref(taken)
+    with pytest.raises(ValueError, match="pin_turns"):
+        PagedCache(pin_turns=1, reuse=False)
+
+
+def test_hot_prefix_is_pinned_automatically_and_cools_down(model):
+    clock = [0.0]
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK, hot_threshold=3.0, half_life=10.0))
+    pool.index.clock = lambda: clock[0]
+    system = tokens(41, 15)
+    for i in range(4):
+        clock[0] += 0.1
+        skip_of(model, system)
+    stats = pool.stats()
+    assert [p["reason"] for p in stats["pins"]] == ["hot"] and stats["blocks_pinned"] == 5
+    clock[0] += 60.0  # six half-lives later the prefix is cold: the next lookup unpins it
+    skip_of(model, tokens(41, 16))
+    assert pool.stats()["blocks_pinned"] == 0
+    assert_pool_clean(pool)

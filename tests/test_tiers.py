@@ -1,0 +1,111 @@
+"""Host tier: cold cached blocks are demoted instead of dropped, and come back bit-exact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache
+
+BLOCK = 8
+
+
+def tokens(n, seed):
+    return torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama", seed=51)
+
+
+@pytest.fixture(autouse=True)
+def disabled(model):
+    yield
+    hf_paged_kv.disable(model)
+
+
+def request(model, prompt, new_tokens=4):
+    cache = PagedCache()
+    plans = []
+    original = cache.begin_forward
+    cache.begin_forward = lambda *a: plans.append(original(*a)) or plans[-1]
+    out = greedy(model, cache, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=new_tokens)
+    cache.release()
+    return plans[0].skip, out
+
+
+def snapshot(pool, blocks):
+    return [torch.stack([c[b].clone() for c in pool.key_cache + pool.value_cache]) for b in blocks]
+
+
+def test_demoted_blocks_come_back_bit_exact(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=16))
+    system = tokens(40, 1)
+    request(model, system)
+    digests = [d for d, _ in pool.index.digest_pairs("default", system, 5)]
+    blocks = [pool.index.by_digest[d] for d in digests]
+    before = snapshot(pool, blocks)
+    taken = pool.allocate(pool.num_available())  # pressure: every cached block leaves the device
+    assert not any(d in pool.index.by_digest for d in digests)
+    assert all(d in pool.host.by_digest for d in digests)
+    for digest, original in zip(digests, before):  # device -> host is bit-exact
+        slot = pool.host.by_digest[digest]
+        assert torch.equal(torch.stack([t[slot] for t in pool.host.keys + pool.host.values]), original)
+    pool.decref(taken)
+    prompt = torch.cat([system, tokens(6, 2)])
+    skipped, out = request(model, prompt)
+    assert skipped == 40
+    promoted = [pool.index.by_digest[d] for d in digests]
+    for now, original in zip(snapshot(pool, promoted), before):  # host -> device is bit-exact
+        assert torch.equal(now, original)
+    hf_paged_kv.disable(model)
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 46, dtype=torch.long), new_tokens=4)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    stats = pool.stats()
+    assert stats["promotions"] == 5 and stats["demotions"] >= 5 and stats["copy_bytes"] > 0
+    assert_pool_clean(pool)
+
+
+def test_without_a_host_tier_evicted_blocks_are_recomputed(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK))
+    system = tokens(40, 1)
+    request(model, system)
+    pool.decref(pool.allocate(pool.num_available()))
+    assert request(model, torch.cat([system, tokens(6, 2)]))[0] == 0
+    assert "promotions" not in pool.stats()
+
+
+def test_pinned_blocks_are_never_demoted(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=16, pin_budget=0.5))
+    pin = hf_paged_kv.pin(model, tokens(40, 3))
+    request(model, tokens(40, 4))
+    pool.decref(pool.allocate(pool.num_available()))
+    pinned_digests = [pool.index.blocks[b].digest for b in pin.blocks]
+    assert not any(d in pool.host.by_digest for d in pinned_digests)
+    assert all(pool.index.is_cached(b) for b in pin.blocks)
+    hf_paged_kv.unpin(model, pin)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 30)), min_size=1, max_size=6))
+def test_tier_budgets_hold_under_random_workloads(model, workload):
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=20, block_size=BLOCK, host_blocks=6))
+    prefixes = [tokens(24 + 8 * i, 100 + i) for i in range(6)]
+    for which, extra in workload:
+        prompt = torch.cat([prefixes[which], tokens(extra, 200 + extra)])
+        skipped, out = request(model, prompt, new_tokens=2)
+        expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=2)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)  # whatever tier the prefix came from
+        assert pool.host.used() <= 6
+        stats = pool.stats()
+        assert stats["blocks_free"] + stats["blocks_cached"] + stats["blocks_used"] == 20
+        assert skipped % BLOCK == 0 and skipped < len(prompt)
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
