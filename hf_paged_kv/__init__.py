@@ -7,7 +7,7 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
-from .attention import disable, enable, pin, pool_of, publish, unpin
+from .attention import disable, enable, persist, pin, pool_of, publish, unpin
 from .cache import PagedCache
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
 from .pinning import PinBudgetError
@@ -22,6 +22,7 @@ __all__ = [
     "publish",
     "pin",
     "unpin",
+    "persist",
     "PinBudgetError",
     "pipeline",
     "PagedCache",

@@ -135,6 +135,27 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
             return pool.pins.add(blocks, tenant, priority, ttl, "explicit")
 
 
+def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
+    """Compute (or find) the KV of `prefix` and write its full blocks to the pool's disk tier
+    now, so that a restarted process with the same model and directory reuses them. Returns the
+    number of tokens written (whole blocks)."""
+    pool = pool_of(model)
+    if pool.disk is None:
+        raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
+    ids = _prefix_ids(model, prefix, tokenizer)
+    with PagedCache(tenant=tenant) as cache:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
+        with pool._lock:
+            now = pool.index.clock()
+            for block in blocks:
+                entry = pool.index.blocks[block]
+                pool.disk.write(entry.digest, entry.tenant, entry.depth, pool.index.weight(entry, now),
+                                int(pool.fill[block]), pool.block_layers(block))
+    return len(blocks) * pool.block_size
+
+
 def unpin(model, pin) -> None:
     """Release a pin; its blocks stay cached (evictable) for reuse."""
     pool = pool_of(model)
@@ -182,12 +203,16 @@ def _layer_specs(model) -> list[LayerSpec]:
 
 
 def _fingerprint(model) -> str:
-    """Model identity for the prefix index: class, name and a hash of the full config."""
+    """Model identity for the prefix index and the disk tier: class, name, a hash of the full
+    config and a hash of a sample of every weight (so fine-tunes of one config differ)."""
     import hashlib
 
-    config = model.config.to_json_string(use_diff=False)
-    digest = hashlib.blake2b(config.encode(), digest_size=8).hexdigest()
-    return f"{type(model).__name__}|{model.config._name_or_path}|{digest}"
+    digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            sample = param.detach().reshape(-1)[:256].float().cpu().numpy()
+            digest.update(name.encode() + str(tuple(param.shape)).encode() + sample.tobytes())
+    return f"{type(model).__name__}|{model.config._name_or_path}|{digest.hexdigest()}"
 
 
 def _model_dtype(model) -> torch.dtype:

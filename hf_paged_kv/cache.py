@@ -326,6 +326,7 @@ class PagedCache(Cache):
                     pool.decref([table[position]])
                     table[position] = known
                 chain.extend(digests)
+                pool.pins.observe(self.tenant, table[: len(chain)])
 
     def _restore(self, before: dict) -> None:
         """Put the rows back as they were before a forward that failed after its first write."""

@@ -114,7 +114,7 @@ class PinRegistry:
 
     # ---------------------------------------------------------- hot spots
     def observe(self, tenant: str, blocks: list[int]) -> None:
-        """After a reuse hit on `blocks` (a prefix, root first): pin it if it became hot, and
+        """After a prefix (`blocks`, root first) was reused or indexed: pin its hot part, and
         unpin hot pins that cooled down."""
         if self.hot_threshold is None:
             return
@@ -123,11 +123,16 @@ class PinRegistry:
             last = index.blocks.get(pin.blocks[-1])
             if last is None or index.weight(last, now) < self.hot_threshold / 2:
                 self.remove(pin)
-        if not blocks or blocks[-1] in self.pinned_blocks():
+        hot = [i for i, b in enumerate(blocks)
+               if (e := index.blocks.get(b)) is not None and index.weight(e, now) >= self.hot_threshold]
+        if not hot:
             return
-        entry = index.blocks.get(blocks[-1])
-        if entry is not None and index.weight(entry, now) >= self.hot_threshold:
-            self.add(blocks, tenant, HOT_PRIORITY, None, "hot")
+        prefix = blocks[: hot[-1] + 1]  # weights shrink with depth: the hot part is a prefix
+        if set(prefix) <= self.pinned_blocks():
+            return
+        for pin in [p for p in self.pins.values() if p.reason == "hot" and set(p.blocks) <= set(prefix)]:
+            self.remove(pin)  # superseded by the longer hot prefix
+        self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
 
     def stats(self) -> dict:
         now = self.pool.index.clock()

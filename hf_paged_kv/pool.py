@@ -21,6 +21,7 @@ import torch
 
 from .errors import PagedKVError, PoolExhaustedError
 from .pinning import PinRegistry
+from .tiers.disk import DiskTier
 from .tiers.host import HostTier
 from .reuse.prefix_index import PrefixIndex
 
@@ -59,6 +60,8 @@ class KVPool:
         pin_budget: float = 0.25,
         hot_threshold: float | None = 8.0,
         host_blocks: int | None = None,
+        disk_dir=None,
+        disk_bytes: int = 1 << 30,
     ):
         if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
             raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
@@ -81,6 +84,8 @@ class KVPool:
         self.pin_budget, self.hot_threshold = pin_budget, hot_threshold
         self.host_blocks = host_blocks
         self.host: HostTier | None = None
+        self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
+        self.disk: DiskTier | None = None
         self.reuse_counters = dict.fromkeys(
             ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "semantic_candidates",
              "semantic_rejected"), 0)
@@ -124,6 +129,8 @@ class KVPool:
         self.pins = PinRegistry(self, self.pin_budget, self.hot_threshold)
         if self.host_blocks:
             self.host = HostTier(self, self.host_blocks)
+        if self.disk_dir is not None:
+            self.disk = DiskTier(self, self.disk_dir, self.disk_bytes)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self.high_water = 0
 
@@ -201,8 +208,12 @@ class KVPool:
         self.pins.expire(self.index.clock())
         now = self.index.clock()
         for block, entry in self.index.evict(n - len(self._free), self.refcount):
-            if self.host is not None and not (entry.expires is not None and now >= entry.expires):
-                self.host.demote(block, entry)  # cold, not dead: keep it one tier down
+            if not (entry.expires is not None and now >= entry.expires):  # cold, not dead: one tier down
+                if self.host is not None:
+                    self.host.demote(block, entry)
+                elif self.disk is not None:
+                    self.disk.write(entry.digest, entry.tenant, entry.depth, self.index.weight(entry, now),
+                                    int(self.fill[block]), self.block_layers(block))
             self._release(block)
         while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
             pass
@@ -225,18 +236,29 @@ class KVPool:
             return found
 
     def _promote(self, digest: bytes, position: int, found: list[int], now: float) -> int | None:
-        """Bring the host-tier copy of `digest` back into a fresh device block (referenced)."""
-        if self.host is None or self.host.lookup(digest, now) is None or self.num_available() < 1:
+        """Bring the host-tier or disk copy of `digest` back into a fresh device block (referenced)."""
+        in_host = self.host is not None and self.host.lookup(digest, now) is not None
+        in_disk = self.disk is not None and self.disk.contains(digest)
+        if not (in_host or in_disk) or self.num_available() < 1:
             return None
         (block,) = self.allocate(1)  # may demote other blocks and so drop host slots: look again
-        slot = self.host.lookup(digest, now)
-        if slot is None:
+        slot = self.host.lookup(digest, now) if self.host is not None else None
+        if slot is not None:
+            entry = self.host.promote(slot, block)
+            weight, last, expires = entry.weight, entry.last_access, entry.expires
+            tenant = entry.tenant
+        elif (disk_entry := self.disk.load(digest, block) if self.disk is not None else None) is not None:
+            tenant, weight, last = disk_entry.tenant, disk_entry.weight, now
+            expires = None if self.ttl is None else now + self.ttl
+        else:
             self.decref([block])
             return None
-        entry = self.host.promote(slot, block)
-        self.index.adopt(block, digest, entry.tenant, position, found[-1] if found else None, entry.weight,
-                         entry.last_access, entry.expires)
+        self.index.adopt(block, digest, tenant, position, found[-1] if found else None, weight, last, expires)
         return block
+
+    def block_layers(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`(key, value)` of one block in every layer (views into the pool)."""
+        return [(k[block], v[block]) for k, v in zip(self.key_cache, self.value_cache)]
 
     def num_free(self) -> int:
         return len(self._free)
@@ -297,10 +319,14 @@ class KVPool:
             } | (self.pins.stats() if self.is_bound else {}) | self._host_stats()
 
     def _host_stats(self) -> dict:
-        if self.host is None:
-            return {}
-        return {"host_blocks": self.host.num_blocks, "host_blocks_used": self.host.used(),
-                "host_bytes_used": self.host.used() * self.host.bytes_per_block()} | self.host.counters
+        stats = {}
+        if self.host is not None:
+            stats |= {"host_blocks": self.host.num_blocks, "host_blocks_used": self.host.used(),
+                      "host_bytes_used": self.host.used() * self.host.bytes_per_block()} | self.host.counters
+        if self.disk is not None:
+            stats |= {"disk_blocks": len(self.disk.catalog), "disk_bytes_used": self.disk.used_bytes(),
+                      "disk_bytes_budget": self.disk.max_bytes} | self.disk.counters
+        return stats
 
     def __repr__(self) -> str:
         if not self.is_bound:

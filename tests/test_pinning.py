@@ -118,3 +118,18 @@ def test_hot_prefix_is_pinned_automatically_and_cools_down(model):
     skip_of(model, tokens(41, 16))
     assert pool.stats()["blocks_pinned"] == 0
     assert_pool_clean(pool)
+
+
+def test_prefix_that_keeps_returning_under_churn_gets_pinned(model):
+    """Evicted between uses, the prefix is recomputed each time; its access weight survives
+    eviction (ghost list), so it is still recognised as hot and pinned."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, hot_threshold=2.5, pin_budget=0.5))
+    hot = tokens(41, 17)
+    skips = []
+    for _ in range(3):
+        skips.append(skip_of(model, hot)[0])
+        pool.decref(pool.allocate(pool.num_available()))  # churn: everything evictable is evicted
+    assert skips == [0, 0, 0]  # recomputed every time ...
+    assert [p["reason"] for p in pool.stats()["pins"]] == ["hot"]  # ... but its weight (1, 2, 3) made it hot
+    assert skip_of(model, hot)[0] == 40  # and the pin kept it through the last churn
+    assert_pool_clean(pool)

@@ -109,3 +109,75 @@ def test_tier_budgets_hold_under_random_workloads(model, workload):
         assert skipped % BLOCK == 0 and skipped < len(prompt)
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+def test_disk_round_trip_is_bit_exact(model, tmp_path):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    system = tokens(40, 5)
+    request(model, system)
+    digests = [d for d, _ in pool.index.digest_pairs("default", system, 5)]
+    before = snapshot(pool, [pool.index.by_digest[d] for d in digests])
+    pool.decref(pool.allocate(pool.num_available()))  # no host tier: device -> disk
+    assert len(list(tmp_path.glob("*.kvblock"))) >= 5
+    skipped, _ = request(model, torch.cat([system, tokens(6, 6)]))
+    assert skipped == 40
+    for now, original in zip(snapshot(pool, [pool.index.by_digest[d] for d in digests]), before):
+        assert torch.equal(now, original)
+    assert pool.stats()["disk_hits"] == 5
+
+
+def test_restarted_process_reuses_persisted_prefix(tmp_path):
+    first = make_model("llama", seed=61)
+    system = tokens(40, 7)
+    hf_paged_kv.enable(first, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert hf_paged_kv.persist(first, system) == 40
+    # a "new process": a fresh model object with the same weights and a fresh pool on the same directory
+    restarted = make_model("llama", seed=61)
+    pool = hf_paged_kv.enable(restarted, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert pool.stats()["disk_blocks"] == 5
+    prompt = torch.cat([system, tokens(6, 8)])
+    skipped, out = request(restarted, prompt)
+    assert skipped == 40 and pool.stats()["disk_hits"] == 5
+    hf_paged_kv.disable(restarted)
+    expected = greedy(restarted, DynamicCache(), prompt[None], torch.ones(1, 46, dtype=torch.long), new_tokens=4)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_damaged_or_foreign_disk_files_are_rejected(tmp_path, damage):
+    writer = make_model("llama", seed=62)
+    system = tokens(40, 9)
+    hf_paged_kv.enable(writer, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(writer, system)
+    files = sorted(tmp_path.glob("*.kvblock"), key=lambda p: p.stat().st_mtime)
+    victim = files[2]  # the third block of the prefix
+    data = bytearray(victim.read_bytes())
+    if damage == "flip":
+        data[-100] ^= 0xFF
+        victim.write_bytes(bytes(data))
+    elif damage == "truncate":
+        victim.write_bytes(bytes(data[: len(data) // 2]))
+    reader = make_model("llama", seed=63 if damage == "foreign" else 62)  # foreign: other weights
+    with pytest.warns(UserWarning, match="hf_paged_kv disk tier: ignoring"):
+        pool = hf_paged_kv.enable(reader, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+        prompt = torch.cat([system, tokens(6, 10)])
+        skipped, out = request(reader, prompt)
+    assert skipped == (0 if damage == "foreign" else 16)  # never past the bad block
+    assert pool.stats()["disk_rejects"] >= 1
+    hf_paged_kv.disable(reader)
+    expected = greedy(reader, DynamicCache(), prompt[None], torch.ones(1, 46, dtype=torch.long), new_tokens=4)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    hf_paged_kv.disable(writer)
+
+
+def test_disk_budget_holds(model, tmp_path):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    budget = 7 * sum(c[0].nbytes for c in pool.key_cache + pool.value_cache)  # about 6 block files
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path, disk_bytes=budget))
+    for seed in range(11, 15):
+        hf_paged_kv.persist(model, tokens(40, seed))
+        assert pool.disk.used_bytes() <= budget
+    stats = pool.stats()
+    assert stats["disk_drops"] > 0 and stats["disk_bytes_used"] <= budget
+    assert len(list(tmp_path.glob("*.kvblock"))) == stats["disk_blocks"]

@@ -14,7 +14,9 @@ eviction needs them. Eviction takes leaf blocks (no cached block continues them)
 
 so recently and often used blocks stay (recency and frequency, in one decayed count), and deep
 blocks, whose recomputation attends over a longer prefix, are worth more. Expired blocks (past
-their TTL) are never matched and go first.
+their TTL) are never matched and go first. An evicted block's weight is remembered by digest
+(a bounded "ghost" list): when the same prefix is computed again it starts from that decayed
+weight + 1, so a prefix that keeps coming back under churn is still recognised as hot.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +59,10 @@ class PrefixIndex:
         self.by_digest: dict[bytes, int] = {}
         self.blocks: dict[int, IndexedBlock] = {}
         self.counters = {"evictions": 0, "expirations": 0}
+        # Access history of evicted blocks (digest -> weight, last access), so a prefix that is
+        # recomputed after eviction keeps its frequency: hot prefixes under churn still look hot.
+        self.ghosts: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        self.max_ghosts = 4096
 
     # ------------------------------------------------------------- hashing
     def root(self, tenant: str) -> bytes:
@@ -120,7 +127,7 @@ class PrefixIndex:
                 block = known
             elif block not in self.blocks and known is None:  # (an expired twin keeps the name until evicted)
                 self.blocks[block] = IndexedBlock(
-                    digest, tenant, position, parent, now, now,
+                    digest, tenant, position, parent, now, now, weight=self._revive(digest, now),
                     expires=None if self.ttl is None else now + self.ttl,
                 )
                 self.by_digest[digest] = block
@@ -144,7 +151,11 @@ class PrefixIndex:
         while heap and len(evicted) < n:
             _, block = heapq.heappop(heap)
             entry = self.blocks[block]
-            self.counters["expirations" if self._expired(entry, now) else "evictions"] += 1
+            if self._expired(entry, now):
+                self.counters["expirations"] += 1
+            else:
+                self.counters["evictions"] += 1
+                self._remember(entry)
             self._remove(block)
             evicted.append((block, entry))
             parent = self.blocks.get(entry.parent) if entry.parent is not None else None
@@ -176,6 +187,20 @@ class PrefixIndex:
             for child in self.blocks.values():
                 if child.parent == block:
                     child.parent = None
+
+    def _remember(self, entry: IndexedBlock) -> None:
+        self.ghosts[entry.digest] = (entry.weight, entry.last_access)
+        self.ghosts.move_to_end(entry.digest)
+        while len(self.ghosts) > self.max_ghosts:
+            self.ghosts.popitem(last=False)
+
+    def _revive(self, digest: bytes, now: float) -> float:
+        """Initial weight of a newly indexed block: 1, plus the decayed weight it had when it
+        was last evicted."""
+        if digest not in self.ghosts:
+            return 1.0
+        weight, last = self.ghosts.pop(digest)
+        return 1.0 + weight * 0.5 ** ((now - last) / self.half_life)
 
     def weight(self, entry: IndexedBlock, now: float) -> float:
         return entry.weight * 0.5 ** ((now - entry.last_access) / self.half_life)

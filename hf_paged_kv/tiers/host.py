@@ -116,7 +116,12 @@ class HostTier:
             e = self.entries[slot]
             return block_value(e.weight, e.last_access, e.depth, e.expires, now, half_life)
 
-        self._remove(min(self.entries, key=value))
+        slot = min(self.entries, key=value)
+        entry = self.entries[slot]
+        if self.pool.disk is not None and value(slot) > float("-inf"):  # one tier further down
+            layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]
+            self.pool.disk.write(entry.digest, entry.tenant, entry.depth, entry.weight, entry.fill, layers)
+        self._remove(slot)
         self.counters["host_drops"] += 1
 
     def _remove(self, slot: int) -> None:
