@@ -64,6 +64,17 @@ def machine() -> str:
     return f"{device}; torch {torch.__version__}; Python {platform.python_version()}"
 
 
+def revision() -> str:
+    """The git commit the figures come from (+dirty when the tree has uncommitted changes)."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -75,7 +86,8 @@ def record(section: str, body: str) -> None:
     with the date, the machine and the command that produced it."""
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     stamp = datetime.date.today().isoformat()
-    block = f"<!-- {section} -->\n{body}\n\nMeasured {stamp} on {machine()} with `{command}`.\n<!-- /{section} -->"
+    block = (f"<!-- {section} -->\n{body}\n\nMeasured {stamp} on {machine()}, code at {revision()}, "
+             f"with `{command}`.\n<!-- /{section} -->")
     print(body)
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
     pattern = re.compile(rf"<!-- {re.escape(section)} -->.*?<!-- /{re.escape(section)} -->", re.S)
