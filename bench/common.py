@@ -75,6 +75,9 @@ def revision() -> str:
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
+REVISION = revision()  # taken when the run starts: edits made while it runs do not count
+
+
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -86,7 +89,7 @@ def record(section: str, body: str) -> None:
     with the date, the machine and the command that produced it."""
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     stamp = datetime.date.today().isoformat()
-    block = (f"<!-- {section} -->\n{body}\n\nMeasured {stamp} on {machine()}, code at {revision()}, "
+    block = (f"<!-- {section} -->\n{body}\n\nMeasured {stamp} on {machine()}, code at {REVISION}, "
              f"with `{command}`.\n<!-- /{section} -->")
     print(body)
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"

@@ -152,7 +152,7 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
             for block in blocks:
                 entry = pool.index.blocks[block]
                 pool.disk.write(entry.digest, entry.tenant, entry.depth, pool.index.weight(entry, now),
-                                int(pool.fill[block]), pool.block_layers(block))
+                                int(pool.fill[block]), pool.block_layers(block), entry.priority)
     return len(blocks) * pool.block_size
 
 

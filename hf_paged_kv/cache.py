@@ -38,6 +38,8 @@ class PagedCache(Cache):
             prefixes published to all by `hf_paged_kv.publish`).
         reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
             ones (default). `False` computes everything and shares nothing.
+        priority: weight of this request's cached blocks in eviction and demotion (each step
+            doubles their value; see `reuse.prefix_index`).
         pin_turns: pin the first N turns of this conversation (a turn is a prefill of more
             than one token, i.e. one `generate` call) in device memory, within the pool's pin
             budget; see `hf_paged_kv.pinning`.
@@ -45,7 +47,8 @@ class PagedCache(Cache):
 
     is_compileable = False  # True would switch on transformers' auto-compile for custom caches
 
-    def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True, pin_turns: int = 0):
+    def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True, pin_turns: int = 0,
+                 priority: int = 0):
         super().__init__(layers=[])
         if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
             raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
@@ -54,6 +57,7 @@ class PagedCache(Cache):
         self.tenant = tenant
         self.reuse = reuse
         self.pin_turns = pin_turns
+        self.priority = priority
         self._turn_starts: list[list[int]] = []  # row lengths when each prefill (turn) began
         self._turns_pinned = False
         self._pool = pool
@@ -321,7 +325,7 @@ class PagedCache(Cache):
                     continue
                 start = chain[-1] if chain else pool.index.root(self.tenant)
                 digests = pool.index.extend(start, tokens[len(chain) * size : full * size])
-                for position, known in pool.index.register(self.tenant, len(chain), digests, table):
+                for position, known in pool.index.register(self.tenant, len(chain), digests, table, self.priority):
                     pool.incref([known])
                     pool.decref([table[position]])
                     table[position] = known

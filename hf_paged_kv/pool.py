@@ -213,7 +213,7 @@ class KVPool:
                     self.host.demote(block, entry)
                 elif self.disk is not None:
                     self.disk.write(entry.digest, entry.tenant, entry.depth, self.index.weight(entry, now),
-                                    int(self.fill[block]), self.block_layers(block))
+                                    int(self.fill[block]), self.block_layers(block), entry.priority)
             self._release(block)
         while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
             pass
@@ -246,14 +246,15 @@ class KVPool:
         if slot is not None:
             entry = self.host.promote(slot, block)
             weight, last, expires = entry.weight, entry.last_access, entry.expires
-            tenant = entry.tenant
+            tenant, priority = entry.tenant, entry.priority
         elif (disk_entry := self.disk.load(digest, block) if self.disk is not None else None) is not None:
-            tenant, weight, last = disk_entry.tenant, disk_entry.weight, now
+            tenant, weight, last, priority = disk_entry.tenant, disk_entry.weight, now, disk_entry.priority
             expires = None if self.ttl is None else now + self.ttl
         else:
             self.decref([block])
             return None
-        self.index.adopt(block, digest, tenant, position, found[-1] if found else None, weight, last, expires)
+        self.index.adopt(block, digest, tenant, position, found[-1] if found else None, weight, last, expires,
+                         priority)
         return block
 
     def block_layers(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

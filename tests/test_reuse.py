@@ -282,3 +282,20 @@ def test_pipeline_reuses_prefixes_across_calls():
     assert pool.stats()["hit_tokens_prefix"] == 2 * (40 // 16 * 16)  # calls 2 and 3 inherit the whole blocks
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+def test_priority_raises_a_prefix_value_in_eviction(model):
+    clock = [0.0]
+    pool = KVPool(num_blocks=16, block_size=BLOCK)
+    hf_paged_kv.enable(model, pool=pool)
+    pool.index.clock = lambda: clock[0]
+    important, ordinary = tokens(40, 50), tokens(40, 51)
+    with PagedCache(priority=2) as cache:  # older, so by recency alone it would go first
+        greedy(model, cache, important[None], torch.ones(1, 40, dtype=torch.long), new_tokens=1)
+    clock[0] = 100.0
+    run(model, [ordinary], new_tokens=1)
+    pool.allocate(pool.num_free() + 5)  # five evictions
+    important_digests = [d for d, _ in pool.index.digest_pairs("default", important, 5)]
+    ordinary_digests = [d for d, _ in pool.index.digest_pairs("default", ordinary, 5)]
+    assert all(d in pool.index.by_digest for d in important_digests)
+    assert not any(d in pool.index.by_digest for d in ordinary_digests)

@@ -9,11 +9,12 @@ KV is the KV the new request would compute.
 Blocks stay indexed after their caches release them (reference count 0: *cached*), until
 eviction needs them. Eviction takes leaf blocks (no cached block continues them) of lowest value
 
-    value = weight(now) * (depth + 1)
+    value = weight(now) * (depth + 1) * 2 ** priority
     weight(now) = weight(t_last) * 0.5 ** ((now - t_last) / half_life),  +1 on every access
 
-so recently and often used blocks stay (recency and frequency, in one decayed count), and deep
-blocks, whose recomputation attends over a longer prefix, are worth more. Expired blocks (past
+so recently and often used blocks stay (recency and frequency, in one decayed count), deep
+blocks, whose recomputation attends over a longer prefix, are worth more, and each priority
+step (`PagedCache(priority=...)`, clamped to -8..8) doubles a block's value. Expired blocks (past
 their TTL) are never matched and go first. An evicted block's weight is remembered by digest
 (a bounded "ghost" list): when the same prefix is computed again it starts from that decayed
 weight + 1, so a prefix that keeps coming back under churn is still recognised as hot.
@@ -44,6 +45,7 @@ class IndexedBlock:
     weight: float = 1.0
     expires: float | None = None
     children: int = 0
+    priority: int = 0  # the highest priority of the requests that wrote or share it
 
 
 class PrefixIndex:
@@ -101,16 +103,17 @@ class PrefixIndex:
             entry.accesses += 1
 
     def adopt(self, block: int, digest: bytes, tenant: str, depth: int, parent: int | None, weight: float,
-              last_access: float, expires: float | None) -> None:
+              last_access: float, expires: float | None, priority: int = 0) -> None:
         """Index a block brought back from a lower tier under its old digest and history."""
         self.blocks[block] = IndexedBlock(digest, tenant, depth, parent, last_access, last_access,
-                                          weight=weight, expires=expires)
+                                          weight=weight, expires=expires, priority=priority)
         self.by_digest[digest] = block
         if parent is not None and parent in self.blocks:
             self.blocks[parent].children += 1
 
     # -------------------------------------------------------- registration
-    def register(self, tenant: str, first: int, digests: list[bytes], table: list[int]) -> list[tuple[int, int]]:
+    def register(self, tenant: str, first: int, digests: list[bytes], table: list[int],
+                 priority: int = 0) -> list[tuple[int, int]]:
         """Index blocks `first, first+1, ...` of a sequence, named by `digests`, held in `table`.
 
         Returns `(position, block)` replacements: where an equal block is already indexed under
@@ -128,17 +131,20 @@ class PrefixIndex:
             elif block not in self.blocks and known is None:  # (an expired twin keeps the name until evicted)
                 self.blocks[block] = IndexedBlock(
                     digest, tenant, position, parent, now, now, weight=self._revive(digest, now),
-                    expires=None if self.ttl is None else now + self.ttl,
+                    expires=None if self.ttl is None else now + self.ttl, priority=priority,
                 )
                 self.by_digest[digest] = block
                 if parent is not None and parent in self.blocks:
                     self.blocks[parent].children += 1
+            if block in self.blocks:
+                self.blocks[block].priority = max(self.blocks[block].priority, priority)
             parent = block
         return replacements
 
     # ----------------------------------------------------------- eviction
     def value(self, entry: IndexedBlock, now: float) -> float:
-        return block_value(entry.weight, entry.last_access, entry.depth, entry.expires, now, self.half_life)
+        return block_value(entry.weight, entry.last_access, entry.depth, entry.expires, now, self.half_life,
+                           entry.priority)
 
     def evict(self, n: int, refcount) -> list[tuple[int, IndexedBlock]]:
         """Remove up to `n` cached blocks (reference count 0), one at a time: always the
@@ -211,8 +217,8 @@ class PrefixIndex:
 
 
 def block_value(weight: float, last_access: float, depth: int, expires: float | None, now: float,
-                half_life: float) -> float:
-    """The one value every tier ranks cached blocks by (see the module docstring)."""
+                half_life: float, priority: int = 0) -> float:
+    """The one value every tier (device, host, disk) ranks cached blocks by."""
     if expires is not None and now >= expires:
         return float("-inf")
-    return weight * 0.5 ** ((now - last_access) / half_life) * (depth + 1)
+    return weight * 0.5 ** ((now - last_access) / half_life) * (depth + 1) * 2.0 ** max(-8, min(8, priority))

@@ -43,6 +43,7 @@ class DiskEntry:
     depth: int
     weight: float
     last_access: float  # wall-clock seconds
+    priority: int = 0
 
 
 class DiskTier:
@@ -62,17 +63,18 @@ class DiskTier:
             if header is not None:
                 self.catalog[bytes.fromhex(header["digest"])] = DiskEntry(
                     path, path.stat().st_size, header["tenant"], header["depth"], header["weight"],
-                    header["last_access"])
+                    header["last_access"], header.get("priority", 0))
 
     # --------------------------------------------------------------- write
-    def write(self, digest: bytes, tenant: str, depth: int, weight: float, fill: int, layers) -> None:
+    def write(self, digest: bytes, tenant: str, depth: int, weight: float, fill: int, layers,
+              priority: int = 0) -> None:
         """Store one block given as `(key, value)` CPU or device tensors per layer."""
         if digest in self.catalog:
             return
         payload = b"".join(t.detach().cpu().contiguous().numpy().tobytes() for pair in layers for t in pair)
         header = {
             "format": FORMAT, "fingerprint": self.pool.fingerprint, "digest": digest.hex(), "tenant": tenant,
-            "depth": depth, "fill": fill, "weight": weight, "last_access": time.time(),
+            "depth": depth, "fill": fill, "weight": weight, "last_access": time.time(), "priority": priority,
             "shapes": [list(t.shape) for pair in layers for t in pair], "dtype": str(self.pool.dtype),
             "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest(),
         }
@@ -82,7 +84,8 @@ class DiskTier:
         with open(partial, "wb") as f:
             f.write(len(raw).to_bytes(8, "little") + raw + payload)
         os.replace(partial, path)
-        self.catalog[digest] = DiskEntry(path, path.stat().st_size, tenant, depth, weight, header["last_access"])
+        self.catalog[digest] = DiskEntry(path, path.stat().st_size, tenant, depth, weight, header["last_access"],
+                                         priority)
         self.counters["disk_writes"] += 1
         self._enforce_budget(keep=digest)
 
@@ -157,6 +160,7 @@ class DiskTier:
         now, half_life = time.time(), self.pool.index.half_life
         while self.used_bytes() > self.max_bytes and len(self.catalog) > 1:
             victim = min((d for d in self.catalog if d != keep), key=lambda d: block_value(
-                self.catalog[d].weight, self.catalog[d].last_access, self.catalog[d].depth, None, now, half_life))
+                self.catalog[d].weight, self.catalog[d].last_access, self.catalog[d].depth, None, now, half_life,
+                self.catalog[d].priority))
             self.catalog.pop(victim).path.unlink(missing_ok=True)
             self.counters["disk_drops"] += 1

@@ -32,6 +32,7 @@ class HostEntry:
     last_access: float
     expires: float | None
     fill: int
+    priority: int
 
 
 class HostTier:
@@ -67,7 +68,7 @@ class HostTier:
         self._account(start)
         self.by_digest[entry.digest] = slot
         self.entries[slot] = HostEntry(entry.digest, entry.tenant, entry.depth, entry.weight, entry.last_access,
-                                       entry.expires, int(self.pool.fill[block]))
+                                       entry.expires, int(self.pool.fill[block]), entry.priority)
         self.counters["demotions"] += 1
 
     def lookup(self, digest: bytes, now: float) -> int | None:
@@ -114,13 +115,14 @@ class HostTier:
 
         def value(slot: int) -> float:
             e = self.entries[slot]
-            return block_value(e.weight, e.last_access, e.depth, e.expires, now, half_life)
+            return block_value(e.weight, e.last_access, e.depth, e.expires, now, half_life, e.priority)
 
         slot = min(self.entries, key=value)
         entry = self.entries[slot]
         if self.pool.disk is not None and value(slot) > float("-inf"):  # one tier further down
             layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]
-            self.pool.disk.write(entry.digest, entry.tenant, entry.depth, entry.weight, entry.fill, layers)
+            self.pool.disk.write(entry.digest, entry.tenant, entry.depth, entry.weight, entry.fill, layers,
+                                 entry.priority)
         self._remove(slot)
         self.counters["host_drops"] += 1
 
