@@ -19,6 +19,7 @@ A forward with any other cache (or none) runs plain SDPA, so an enabled model st
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -106,14 +107,10 @@ def publish(model, prefix, tokenizer=None) -> int:
     are added). This is the only way KV crosses tenants: use it for prompts that are public,
     such as a common system prompt. Returns the number of tokens published (whole blocks).
     """
-    pool = pool_of(model)
-    ids = _prefix_ids(model, prefix, tokenizer)
     cache = PagedCache()
     cache.tenant = PUBLIC_TENANT  # deliberately set here: the constructor refuses it
-    with torch.inference_mode():
-        model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-    cache.release()
-    return ids.shape[1] // pool.block_size * pool.block_size
+    with _prefix_blocks(model, prefix, tokenizer, cache) as blocks:
+        return len(blocks) * pool_of(model).block_size
 
 
 def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 0, ttl: float | None = None):
@@ -124,13 +121,9 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
     pin budget cannot hold it even after displacing lower-priority pins.
     """
     pool = pool_of(model)
-    ids = _prefix_ids(model, prefix, tokenizer)
-    if ids.shape[1] < pool.block_size:
-        raise ValueError(f"a prefix of {ids.shape[1]} tokens fills no block of {pool.block_size}; nothing to pin")
-    with PagedCache(tenant=tenant) as cache:
-        with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-        blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
+    with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
+        if not blocks:
+            raise ValueError(f"the prefix fills no block of {pool.block_size} tokens; nothing to pin")
         with pool._lock:
             return pool.pins.add(blocks, tenant, priority, ttl, "explicit")
 
@@ -142,18 +135,28 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
     pool = pool_of(model)
     if pool.disk is None:
         raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
-    ids = _prefix_ids(model, prefix, tokenizer)
-    with PagedCache(tenant=tenant) as cache:
-        with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-        blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
+    with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
         with pool._lock:
             now = pool.index.clock()
             for block in blocks:
-                entry = pool.index.blocks[block]
-                pool.disk.write(entry.digest, entry.tenant, entry.depth, pool.index.weight(entry, now),
-                                int(pool.fill[block]), pool.block_layers(block), entry.priority)
+                pool.write_to_disk(block, pool.index.blocks[block], now)
     return len(blocks) * pool.block_size
+
+
+@contextmanager
+def _prefix_blocks(model, prefix, tokenizer, cache: PagedCache):
+    """Run `prefix` (token ids, or text with its tokenizer) through `cache` on the enabled
+    `model` and yield the prefix's full blocks, held by the cache until the block exits."""
+    block_size = pool_of(model).block_size
+    if isinstance(prefix, str):
+        if tokenizer is None:
+            raise ValueError("a text prefix needs its tokenizer")
+        prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    ids = torch.as_tensor(prefix, dtype=torch.long).reshape(1, -1).to(model.device)
+    with cache:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        yield cache.block_tables()[0][: ids.shape[1] // block_size]
 
 
 def unpin(model, pin) -> None:
@@ -161,14 +164,6 @@ def unpin(model, pin) -> None:
     pool = pool_of(model)
     with pool._lock:
         pool.pins.remove(pin)
-
-
-def _prefix_ids(model, prefix, tokenizer) -> torch.Tensor:
-    if isinstance(prefix, str):
-        if tokenizer is None:
-            raise ValueError("a text prefix needs its tokenizer")
-        prefix = tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    return torch.as_tensor(prefix, dtype=torch.long).reshape(1, -1).to(model.device)
 
 
 # ----------------------------------------------------------------- model checks

@@ -338,14 +338,9 @@ class PagedCache(Cache):
             self._drop_rows()
             return
         self._lengths, self._logical = before["lengths"], before["logical"]
-        size = self._pool.block_size
-        for b, table in enumerate(self._tables):
-            del self._history[b][self._logical :]
-            del self._tokens[b][self._lengths[b] :]
-            del self._chains[b][self._lengths[b] // size :]
-            keep = -(-self._lengths[b] // size)
-            self._pool.decref(table[keep:])
-            del table[keep:]
+        for history in self._history:
+            del history[self._logical :]
+        self._cut_rows_to_lengths()
 
 
     @staticmethod
@@ -403,10 +398,21 @@ class PagedCache(Cache):
         if not self._lengths:
             self._drop_rows()
             return
-        for table, length in zip(self._tables, self._lengths):
-            keep = -(-length // self._pool.block_size)
-            self._pool.decref(table[keep:])
+        self._cut_rows_to_lengths()
+
+    def _cut_rows_to_lengths(self) -> None:
+        """Drop each row's tokens, digests and blocks past its length; a last block this row
+        holds alone gets the matching fill level."""
+        pool, size = self._pool, self._pool.block_size
+        for b, table in enumerate(self._tables):
+            length = self._lengths[b]
+            del self._tokens[b][length:]
+            del self._chains[b][length // size :]
+            keep = -(-length // size)
+            pool.decref(table[keep:])
             del table[keep:]
+            if keep and pool.refcount[table[-1]] == 1:
+                pool.fill[table[-1]] = length - (keep - 1) * size
 
     def _commit(self) -> None:
         """Adopt the row state planned for this forward (on its first layer's write)."""
@@ -462,19 +468,10 @@ class PagedCache(Cache):
         if remove <= 0:
             return
         keep = self._logical - remove
-        pool, size = self._pool, self._pool.block_size
         for b, history in enumerate(self._history):
-            dropped = sum(history[keep:])
+            self._lengths[b] -= sum(history[keep:])
             del history[keep:]
-            self._lengths[b] -= dropped
-            del self._tokens[b][self._lengths[b] :]
-            del self._chains[b][self._lengths[b] // size :]
-            blocks = -(-self._lengths[b] // size)
-            pool.decref(self._tables[b][blocks:])
-            del self._tables[b][blocks:]
-            last = self._tables[b][-1] if blocks else None
-            if last is not None and pool.refcount[last] == 1:
-                pool.fill[last] = self._lengths[b] - (blocks - 1) * size
+        self._cut_rows_to_lengths()
         self._logical = keep
 
     def reset(self) -> None:

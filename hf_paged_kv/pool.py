@@ -212,11 +212,15 @@ class KVPool:
                 if self.host is not None:
                     self.host.demote(block, entry)
                 elif self.disk is not None:
-                    self.disk.write(entry.digest, entry.tenant, entry.depth, self.index.weight(entry, now),
-                                    int(self.fill[block]), self.block_layers(block), entry.priority)
+                    self.write_to_disk(block, entry, now)
             self._release(block)
         while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
             pass
+
+    def write_to_disk(self, block: int, entry, now: float) -> None:
+        """Store device `block`, indexed as `entry`, in the disk tier."""
+        self.disk.write(entry.digest, entry.tenant, entry.depth, self.index.weight(entry, now),
+                        int(self.fill[block]), self.block_layers(block), entry.priority)
 
     def acquire_prefix(self, tenant: str, tokens, max_blocks: int) -> list[int]:
         """Referenced blocks of the longest cached prefix of `tokens` (at most `max_blocks`),
