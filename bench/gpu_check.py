@@ -13,7 +13,10 @@ On a GPU machine without network, from the source tree:
 3. prefill against SDPA (causal) on contiguous KV;
 4. end to end: SmolLM2-135M `generate` tokens/s, PagedCache (Triton) vs DynamicCache (random
    weights of the SmolLM2 config when the GGUF package is not installed: speed does not depend
-   on the weight values).
+   on the weight values);
+5. the host tier's CUDA path: a prompt's blocks pushed to page-locked host memory by pool
+   pressure come back on the side stream bit-exact, and the time to first token of a host-tier
+   hit against recomputing the prompt and against a device-pool hit.
 It prints one table at the end and stores it in docs/benchmarks.md.
 
 `--smoke` runs every step at toy sizes on the CPU (Triton interpreter, wall-clock timer instead
@@ -64,6 +67,7 @@ def main(argv=None) -> str:
     sections.append(decode_table(device, sizes, copy_bw))
     sections.append(prefill_table(device, sizes))
     sections.append(end_to_end_table(device, sizes))
+    sections.append(host_tier_table(device, sizes))
     body = "### Triton kernels on " + machine_name(device) + "\n\n" + "\n\n".join(sections)
     if args.smoke:
         print(body)
@@ -83,6 +87,7 @@ class Sizes:
         self.prefill = [(1, 48, 0), (2, 32, 16)] if smoke else [(1, 4096, 0), (8, 1024, 0), (4, 1024, 4096)]
         self.e2e = [(1, 16, 4)] if smoke else [(1, 256, 128), (16, 256, 128)]
         self.copy_bytes = 1 << 20 if smoke else 4 << 30
+        self.tier_prompt = 40 if smoke else 4096
         self.block_size = 16
 
 
@@ -216,14 +221,12 @@ def end_to_end_table(device: str, sizes: Sizes) -> str:
 
         def run(make_cache):
             cache = make_cache()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,
                                      max_new_tokens=new, min_new_tokens=new, do_sample=False)
-            if device == "cuda":
-                torch.cuda.synchronize()
+            synchronize(device)
             seconds = time.perf_counter() - start
             if isinstance(cache, PagedCache):
                 cache.release()
@@ -243,6 +246,59 @@ def end_to_end_table(device: str, sizes: Sizes) -> str:
     header = ["batch", "prompt", "new tokens", "DynamicCache tok/s", "PagedCache (triton) tok/s", "speed-up",
               "same tokens"]
     return f"End to end, SmolLM2-135M {source}, greedy `generate`, median of 3:\n\n" + markdown_table(header, rows)
+
+
+def host_tier_table(device: str, sizes: Sizes) -> str:
+    model, source = smollm2_for_speed(device, torch.float32, sizes.smoke)
+    prompt_blocks = sizes.tier_prompt // sizes.block_size
+    pool = KVPool(num_blocks=2 * prompt_blocks + 8, block_size=sizes.block_size, host_blocks=2 * prompt_blocks,
+                  hot_threshold=None)
+    hf_paged_kv.enable(model, pool=pool)
+    prompt = torch.randint(100, model.config.vocab_size - 100, (1, sizes.tier_prompt + 8), device=device)
+
+    def first_token(reuse: bool):
+        synchronize(device)
+        start = time.perf_counter()
+        with torch.inference_mode(), PagedCache(reuse=reuse) as cache:
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache,
+                                 max_new_tokens=1, do_sample=False)
+        synchronize(device)
+        return time.perf_counter() - start, out[0, -1].item()
+
+    def push_to_host():
+        taken = pool.allocate(pool.num_available())  # pressure: every cached block leaves the device
+        pool.decref(taken)
+
+    first_token(False), first_token(True)  # warm-up; the second run indexes the prompt's blocks
+    digests = [digest for digest, _ in pool.index.digest_pairs("default", prompt[0].tolist(), prompt_blocks)]
+    before = [torch.stack([c[pool.index.by_digest[d]] for c in pool.key_cache + pool.value_cache]) for d in digests]
+    cold = [first_token(False) for _ in range(3)]
+    device_hit = [first_token(True) for _ in range(3)]
+    host_hit = []
+    for _ in range(3):
+        push_to_host()
+        host_hit.append(first_token(True))
+    after = [torch.stack([c[pool.index.by_digest[d]] for c in pool.key_cache + pool.value_cache]) for d in digests]
+    exact = all(torch.equal(a, b) for a, b in zip(before, after))
+    pinned = all(t.is_pinned() for t in pool.host.keys) if device == "cuda" else "n/a (CPU)"
+    stats = pool.stats()
+    hf_paged_kv.disable(model)
+    t_cold = statistics.median(t for t, _ in cold)
+    rows = [[label, f"{1e3 * statistics.median(t for t, _ in runs):.1f}",
+             f"{t_cold / statistics.median(t for t, _ in runs):.2f}x", runs[0][1] == cold[0][1]]
+            for label, runs in (("recompute (reuse off)", cold), ("device-pool hit", device_hit),
+                                ("host-tier hit", host_hit))]
+    return (f"Host tier on {device}, SmolLM2-135M {source} fp32, {sizes.tier_prompt}-token prompt "
+            f"({prompt_blocks} blocks x {len(pool.key_cache)} layers): promoted blocks bit-exact: "
+            f"{'yes' if exact else 'NO'}; host memory page-locked: {pinned}; side stream: "
+            f"{pool.host.stream is not None}; {stats['promotions']} promotions, "
+            f"{stats['copy_bytes'] / 2**20:.0f} MiB copied between the tiers:\n\n"
+            + markdown_table(["time to first token", "ms (median of 3)", "speed-up", "same token"], rows))
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def smollm2_for_speed(device, dtype, smoke: bool):

@@ -23,8 +23,10 @@ def test_gpu_check_smoke_run():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    for title in ("Decode", "Prefill", "End to end"):
+    for title in ("Decode", "Prefill", "End to end", "Host tier"):
         assert title in out
     errors = [float(e) for e in re.findall(r"\| (\d\.\de[-+]\d+) \|", out)]
     assert len(errors) == 6 and max(errors) < 1e-4  # kernels agree with SDPA on every timed shape
     assert "| yes |" in out  # Triton-backed generate gave DynamicCache's tokens
+    assert "promoted blocks bit-exact: yes" in out  # the host tier's copy path round-trips
+    assert re.search(r"\| host-tier hit \| [\d.]+ \| [\d.]+x \| True \|", out)
