@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
-from .triton_utils import Launch, check_device, check_dot_shape, check_inputs, interpreting, padded_head_dim
+from .triton_utils import (
+    Launch, check_device, check_dot_shape, check_inputs, interpreting, keys_per_tile, padded_head_dim,
+)
 
-TILE = 64
+TILE = 64  # keys per step for 16-bit caches (keys_per_tile halves it for fp32)
 
 
 @triton.jit
@@ -130,7 +132,8 @@ def decode_launches(
     group = heads // kv_heads
     group_pad = max(16, triton.next_power_of_2(group))
     dim_pad = padded_head_dim(head_dim)
-    check_dot_shape(group_pad, TILE, dim_pad)
+    tile = keys_per_tile(TILE, query.dtype)
+    check_dot_shape(group_pad, tile, dim_pad)
     if num_splits is None:
         max_kv_len = int(kv_lens.max()) if batch else 0
         num_splits = choose_splits(batch, kv_heads, max_kv_len, query.device)
@@ -145,7 +148,7 @@ def decode_launches(
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=TILE, NUM_SPLITS=num_splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=tile, NUM_SPLITS=num_splits,
             UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
         ),
     )

@@ -15,10 +15,12 @@ import triton
 import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
-from .triton_utils import Launch, check_device, check_dot_shape, check_inputs, interpreting, padded_head_dim
+from .triton_utils import (
+    Launch, check_device, check_dot_shape, check_inputs, interpreting, keys_per_tile, padded_head_dim,
+)
 
 BLOCK_M = 32
-TILE = 32
+TILE = 32  # keys per step for 16-bit caches (keys_per_tile halves it for fp32)
 
 
 @triton.jit
@@ -89,7 +91,8 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
     batch, heads, new, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     dim_pad = padded_head_dim(head_dim)
-    check_dot_shape(BLOCK_M, TILE, dim_pad)
+    tile = keys_per_tile(TILE, query.dtype)
+    check_dot_shape(BLOCK_M, tile, dim_pad)
     tables = block_tables.contiguous()
     return Launch(
         _prefill_kernel, (batch, heads, triton.cdiv(new, BLOCK_M)),
@@ -99,7 +102,7 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-            BLOCK_M=BLOCK_M, TILE=TILE,
+            BLOCK_M=BLOCK_M, TILE=tile,
             UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
         ),
     )

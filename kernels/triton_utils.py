@@ -74,5 +74,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def keys_per_tile(tokens_16bit: int, dtype: torch.dtype) -> int:
+    """Key tiles hold the same bytes whatever the dtype: fp32 takes half the tokens of fp16/bf16
+    (full-size fp32 tiles spill registers on sm_80 at head dim 128; see compile_check)."""
+    return tokens_16bit * 2 // dtype.itemsize
+
+
 def padded_head_dim(head_dim: int) -> int:
     return triton.next_power_of_2(head_dim)

@@ -187,8 +187,8 @@ def test_gpu_dot_limits_are_checked_on_every_platform(monkeypatch):
     from hf_paged_kv.kernels import paged_prefill as module
 
     monkeypatch.setattr(module, "BLOCK_M", 8)
-    query = torch.zeros(1, 1, 4, 64, device=DEVICE)
-    cache = torch.zeros(2, 16, 1, 64, device=DEVICE)
+    query = torch.zeros(1, 1, 4, 64, dtype=torch.float16, device=DEVICE)
+    cache = torch.zeros(2, 16, 1, 64, dtype=torch.float16, device=DEVICE)
     with pytest.raises(PagedKVError, match="tl.dot tile 8x32x64"):
         module.paged_prefill(query, cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                              torch.zeros(1, 4, dtype=torch.long), 1.0)
