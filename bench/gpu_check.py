@@ -15,8 +15,9 @@ On a GPU machine without network, from the source tree:
    weights of the SmolLM2 config when the GGUF package is not installed: speed does not depend
    on the weight values);
 5. the host tier's CUDA path: a prompt's blocks pushed to page-locked host memory by pool
-   pressure come back on the side stream bit-exact, and the time to first token of a host-tier
-   hit against recomputing the prompt and against a device-pool hit.
+   pressure come back on the side stream bit-exact, also into a block that a still-queued
+   kernel writes; and the time to first token of a host-tier hit against recomputing the prompt
+   and against a device-pool hit.
 It prints one table at the end and stores it in docs/benchmarks.md.
 
 `--smoke` runs every step at toy sizes on the CPU (Triton interpreter, wall-clock timer instead
@@ -269,17 +270,35 @@ def host_tier_table(device: str, sizes: Sizes) -> str:
         taken = pool.allocate(pool.num_available())  # pressure: every cached block leaves the device
         pool.decref(taken)
 
+    def straggler_on_next_free_block():
+        """A kernel still queued on the forward stream writes a block that is then let go; the
+        next promotion lands in that block (the free list is LIFO) and must wait for it."""
+        block = pool.allocate(1)[0]
+        if device == "cuda":
+            torch.cuda._sleep(50_000_000)  # tens of ms of GPU time before the writes below run
+        for cache in pool.key_cache + pool.value_cache:
+            cache[block].fill_(float("nan"))
+        pool.decref([block])
+        return block
+
+    def device_copies():
+        return [torch.stack([c[pool.index.by_digest[d]] for c in pool.key_cache + pool.value_cache]) for d in digests]
+
     first_token(False), first_token(True)  # warm-up; the second run indexes the prompt's blocks
     digests = [digest for digest, _ in pool.index.digest_pairs("default", prompt[0].tolist(), prompt_blocks)]
-    before = [torch.stack([c[pool.index.by_digest[d]] for c in pool.key_cache + pool.value_cache]) for d in digests]
+    before = device_copies()
     cold = [first_token(False) for _ in range(3)]
     device_hit = [first_token(True) for _ in range(3)]
     host_hit = []
     for _ in range(3):
         push_to_host()
         host_hit.append(first_token(True))
-    after = [torch.stack([c[pool.index.by_digest[d]] for c in pool.key_cache + pool.value_cache]) for d in digests]
-    exact = all(torch.equal(a, b) for a, b in zip(before, after))
+    exact = all(torch.equal(a, b) for a, b in zip(before, device_copies()))
+    push_to_host()
+    straggled = straggler_on_next_free_block()
+    first_token(True)
+    promoted_into = [pool.index.by_digest[d] for d in digests]
+    waited = straggled in promoted_into and all(torch.equal(a, b) for a, b in zip(before, device_copies()))
     pinned = all(t.is_pinned() for t in pool.host.keys) if device == "cuda" else "n/a (CPU)"
     stats = pool.stats()
     hf_paged_kv.disable(model)
@@ -290,7 +309,8 @@ def host_tier_table(device: str, sizes: Sizes) -> str:
                                 ("host-tier hit", host_hit))]
     return (f"Host tier on {device}, SmolLM2-135M {source} fp32, {sizes.tier_prompt}-token prompt "
             f"({prompt_blocks} blocks x {len(pool.key_cache)} layers): promoted blocks bit-exact: "
-            f"{'yes' if exact else 'NO'}; host memory page-locked: {pinned}; side stream: "
+            f"{'yes' if exact else 'NO'}; a promotion into a block a queued kernel still writes waits for it: "
+            f"{'yes' if waited else 'NO'}; host memory page-locked: {pinned}; side stream: "
             f"{pool.host.stream is not None}; {stats['promotions']} promotions, "
             f"{stats['copy_bytes'] / 2**20:.0f} MiB copied between the tiers:\n\n"
             + markdown_table(["time to first token", "ms (median of 3)", "speed-up", "same token"], rows))

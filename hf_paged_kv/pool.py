@@ -190,12 +190,17 @@ class KVPool:
     def decref(self, ids) -> None:
         """Drop one reference from each block; blocks reaching zero return to the free list."""
         with self._lock:
+            idle = []
             for block in ids:
                 if self.refcount[block] <= 0:
                     raise PagedKVError(f"double free of block {block}")
                 self.refcount[block] -= 1
-                if self.refcount[block] == 0 and not self.index.is_cached(block):
-                    self._release(block)
+                if self.refcount[block] == 0:
+                    idle.append(block)
+                    if not self.index.is_cached(block):
+                        self._release(block)
+            if self.host is not None:
+                self.host.note_idle(idle)
 
     def _release(self, block: int) -> None:
         self.fill[block] = 0

@@ -29,4 +29,5 @@ def test_gpu_check_smoke_run():
     assert len(errors) == 6 and max(errors) < 1e-4  # kernels agree with SDPA on every timed shape
     assert "| yes |" in out  # Triton-backed generate gave DynamicCache's tokens
     assert "promoted blocks bit-exact: yes" in out  # the host tier's copy path round-trips
+    assert "still writes waits for it: yes" in out
     assert re.search(r"\| host-tier hit \| [\d.]+ \| [\d.]+x \| True \|", out)

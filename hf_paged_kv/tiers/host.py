@@ -6,8 +6,9 @@ When the device pool must evict a cached block (reference count 0, not pinned), 
 and V (every layer) are copied here instead of being dropped, with the block's digest and
 lifecycle data. A later request whose prefix reaches that digest gets it copied back into a
 fresh device block before its forward runs: on CUDA from page-locked memory on a separate
-stream (the forward's stream waits for it on the GPU, the host does not), on the CPU with plain
-copies. Only blocks of a matched prefix are ever copied back.
+stream, which waits only for the kernels that last used that device block (the forward's stream
+waits for the copy on the GPU, the host never does), on the CPU with plain copies. Only blocks
+of a matched prefix are ever copied back.
 
 When the host tier is full, its lowest-value block is dropped (the same value as on the device:
 decayed access weight × (depth + 1); expired blocks first).
@@ -49,6 +50,7 @@ class HostTier:
                      for s in pool.layers]
         self.values = [torch.zeros_like(k, pin_memory=on_cuda) for k in self.keys]
         self.stream = torch.cuda.Stream(pool.layers[0].device) if on_cuda else None
+        self._idle_since: dict[int, torch.cuda.Event] = {}  # device block -> event after its last use
         self.by_digest: dict[bytes, int] = {}
         self.entries: dict[int, HostEntry] = {}
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -71,6 +73,17 @@ class HostTier:
                                        entry.expires, int(self.pool.fill[block]), entry.priority)
         self.counters["demotions"] += 1
 
+    def note_idle(self, blocks: list[int]) -> None:
+        """`blocks` just lost their last reference, but kernels already queued may still read or
+        write them: an event marks the point after which a promotion may overwrite them. Waiting
+        for that event only, not for the whole forward stream, lets the copy overlap the work
+        queued since."""
+        if self.stream is None or not blocks:
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.stream.device))
+        self._idle_since.update(dict.fromkeys(blocks, event))
+
     def lookup(self, digest: bytes, now: float) -> int | None:
         slot = self.by_digest.get(digest)
         if slot is None:
@@ -86,6 +99,9 @@ class HostTier:
         start = time.perf_counter()
         pairs = zip(self.pool.key_cache + self.pool.value_cache, self.keys + self.values)
         if self.stream is not None:
+            last_use = self._idle_since.pop(block, None)
+            if last_use is not None:  # kernels queued before the block was let go may still touch it
+                self.stream.wait_event(last_use)
             with torch.cuda.stream(self.stream):
                 for device, host in pairs:
                     device[block].copy_(host[slot], non_blocking=True)
