@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import (
-    Launch, check_device, check_dot_shape, check_inputs, interpreting, keys_per_tile, padded_head_dim,
+    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, keys_per_tile, padded_head_dim,
 )
 
 TILE = 64  # keys per step for 16-bit caches (keys_per_tile halves it for fp32)
@@ -149,7 +149,7 @@ def decode_launches(
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=tile, NUM_SPLITS=num_splits,
-            UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+            **dtype_flags(query.dtype),
         ),
     )
     merge = Launch(

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import (
-    Launch, check_device, check_dot_shape, check_inputs, interpreting, keys_per_tile, padded_head_dim,
+    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, keys_per_tile, padded_head_dim,
 )
 
 BLOCK_M = 32
@@ -103,6 +103,6 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
             BLOCK_M=BLOCK_M, TILE=tile,
-            UPCAST=interpreting() and query.dtype != torch.float32, IS_FP32=query.dtype == torch.float32,
+            **dtype_flags(query.dtype),
         ),
     )

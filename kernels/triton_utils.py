@@ -69,9 +69,12 @@ def check_dot_shape(m: int, n: int, k: int) -> None:
         raise PagedKVError(f"tl.dot tile {m}x{n}x{k} is below the GPU minimum of {MIN_DOT_DIM} per dimension")
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs must not silently drop to tf32 on the GPU: outputs must match the reference."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dtype_flags(dtype: torch.dtype) -> dict[str, bool]:
+    """The attention kernels' dtype constexprs: `UPCAST` 16-bit tiles to fp32 in the interpreter
+    (its 16-bit tl.dot is wrong), and `IS_FP32` so fp32 inputs never silently drop to tf32 on
+    the GPU (outputs must match the reference)."""
+    is_fp32 = dtype == torch.float32
+    return dict(UPCAST=interpreting() and not is_fp32, IS_FP32=is_fp32)
 
 
 def keys_per_tile(tokens_16bit: int, dtype: torch.dtype) -> int:
