@@ -39,9 +39,7 @@ class IndexedBlock:
     tenant: str
     depth: int  # index of the block in its sequence
     parent: int | None  # the physical block holding the previous tokens
-    created: float
     last_access: float
-    accesses: int = 1
     weight: float = 1.0
     expires: float | None = None
     children: int = 0
@@ -100,12 +98,11 @@ class PrefixIndex:
             entry = self.blocks[block]
             entry.weight = self.weight(entry, now) + 1.0
             entry.last_access = now
-            entry.accesses += 1
 
     def adopt(self, block: int, digest: bytes, tenant: str, depth: int, parent: int | None, weight: float,
               last_access: float, expires: float | None, priority: int = 0) -> None:
         """Index a block brought back from a lower tier under its old digest and history."""
-        self.blocks[block] = IndexedBlock(digest, tenant, depth, parent, last_access, last_access,
+        self.blocks[block] = IndexedBlock(digest, tenant, depth, parent, last_access,
                                           weight=weight, expires=expires, priority=priority)
         self.by_digest[digest] = block
         if parent is not None and parent in self.blocks:
@@ -130,7 +127,7 @@ class PrefixIndex:
                 block = known
             elif block not in self.blocks and known is None:  # (an expired twin keeps the name until evicted)
                 self.blocks[block] = IndexedBlock(
-                    digest, tenant, position, parent, now, now, weight=self._revive(digest, now),
+                    digest, tenant, position, parent, now, weight=self._revive(digest, now),
                     expires=None if self.ttl is None else now + self.ttl, priority=priority,
                 )
                 self.by_digest[digest] = block
