@@ -86,6 +86,13 @@ def llama():
     hf_paged_kv.disable(model)
 
 
+def manual_clock(pool) -> list[float]:
+    """Make `pool`'s prefix index read the time from the returned one-item list: `clock[0] = 5.0`."""
+    clock = [0.0]
+    pool.index.clock = lambda: clock[0]
+    return clock
+
+
 def assert_pool_clean(pool):
     """After every request finished, each block is free or cached by the prefix index with
     reference count 0: nothing leaked, and the counts add up to the pool size."""

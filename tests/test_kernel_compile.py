@@ -15,6 +15,11 @@ TRITON_36 = Path(sys.prefix) / "triton-3.6"
 KERNELS = {"decode_split_kernel", "merge_splits_kernel", "prefill_kernel", "write_kv_kernel"}
 
 
+def compiler_env(**extra) -> dict[str, str]:
+    """This process's environment without the interpreter switch conftest sets, so Triton compiles."""
+    return {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"} | extra
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "triton_path, arch", [(None, 90), (TRITON_36, 90), (None, 80)], ids=["sm90-venv", "sm90-triton3.6", "sm80-venv"]
@@ -22,8 +27,7 @@ KERNELS = {"decode_split_kernel", "merge_splits_kernel", "prefill_kernel", "writ
 def test_every_kernel_variant_compiles_without_spills(triton_path, arch, tmp_path):
     if triton_path is not None and not triton_path.exists():
         pytest.skip(f"{triton_path} not installed (scripts/bootstrap.sh installs it on machines without a GPU)")
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)  # compile for real, not from an earlier run's cache
+    env = compiler_env(TRITON_CACHE_DIR=str(tmp_path))  # compile for real, not from an earlier run's cache
     if triton_path is not None:
         env["PYTHONPATH"] = str(triton_path)
     result = subprocess.run(
@@ -65,7 +69,7 @@ triton.compile(compile_check.specialize(narrow), target=GPUTarget("cuda", 90, 32
 @pytest.mark.slow
 def test_compile_check_catches_what_only_the_gpu_compiler_rejects():
     """A 16-bit tl.dot with K = 8 runs in the interpreter; the sm_90 compiler must refuse it here."""
-    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", NARROW_DOT], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run([sys.executable, "-c", NARROW_DOT], capture_output=True, text=True, env=compiler_env(),
+                            timeout=300)
     assert result.returncode != 0
     assert "CompilationError" in result.stderr, result.stderr[-2000:]

@@ -22,11 +22,16 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 POISON = 300.0
 
 
-def make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen):
+def pool_with_rows(kv_lens, block_size, kv_heads, head_dim, dtype, gen, spare_blocks):
+    """A pool poisoned everywhere except the rows' slots, which hold random K/V, and the rows'
+    shuffled block tables; `spare_blocks` blocks (block 0 among them) stay unused."""
+    num_blocks = sum(-(-n // block_size) for n in kv_lens) + spare_blocks
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key = torch.full(shape, POISON, dtype=dtype, device=DEVICE)
-    value = torch.full(shape, -POISON, dtype=dtype, device=DEVICE)
-    return key, value
+    key_cache = torch.full(shape, POISON, dtype=dtype, device=DEVICE)
+    value_cache = torch.full(shape, -POISON, dtype=dtype, device=DEVICE)
+    tables = make_rows(kv_lens, block_size, num_blocks, gen)
+    fill_rows(key_cache, value_cache, tables, kv_lens, gen)
+    return key_cache, value_cache, tables
 
 
 def make_rows(kv_lens, block_size, num_blocks, gen):
@@ -75,10 +80,7 @@ DECODE_CASES = [  # (group, head_dim, block_size, dtype)
 def test_paged_decode_matches_reference(group, head_dim, block_size, dtype, window, splits):
     gen = torch.Generator().manual_seed(group * 1000 + head_dim + block_size)
     kv_heads, kv_lens = 2, [1, 150, 77, 0]
-    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 6
-    key_cache, value_cache = make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
-    tables = make_rows(kv_lens, block_size, num_blocks, gen)
-    fill_rows(key_cache, value_cache, tables, kv_lens, gen)
+    key_cache, value_cache, tables = pool_with_rows(kv_lens, block_size, kv_heads, head_dim, dtype, gen, 6)
     batch, heads = len(kv_lens), kv_heads * group
     query = torch.randn(batch, heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     lens = torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE)
@@ -113,10 +115,7 @@ def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, win
     kv_heads = 1
     prefixes, news, width = [0, 45, 13], [40, 7, 33], 40  # varlen: prefix and new lengths per row
     kv_lens = [p + n for p, n in zip(prefixes, news)]
-    num_blocks = sum(-(-n // block_size) for n in kv_lens) + 5
-    key_cache, value_cache = make_pool(num_blocks, block_size, kv_heads, head_dim, dtype, gen)
-    tables = make_rows(kv_lens, block_size, num_blocks, gen)
-    fill_rows(key_cache, value_cache, tables, kv_lens, gen)
+    key_cache, value_cache, tables = pool_with_rows(kv_lens, block_size, kv_heads, head_dim, dtype, gen, 5)
     heads = kv_heads * group
     query = torch.randn(3, heads, width, head_dim, generator=gen).to(dtype).to(DEVICE)
     q_pos = torch.zeros(3, width, dtype=torch.long)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from conftest import VOCAB, assert_pool_clean, greedy, make_model, manual_clock
 from transformers import DynamicCache
 
 import hf_paged_kv
@@ -72,9 +72,8 @@ def test_budget_holds_and_priority_displaces(model):
 
 
 def test_pins_expire_at_their_ttl(model):
-    clock = [0.0]
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK))
-    pool.index.clock = lambda: clock[0]
+    clock = manual_clock(pool)
     hf_paged_kv.pin(model, tokens(40, 13), ttl=30)
     clock[0] = 29.0
     assert pool.stats()["blocks_pinned"] == 5 and pool.stats()["pins"][0]["expires_in"] == pytest.approx(1.0)
@@ -105,9 +104,8 @@ def test_pin_turns_pins_the_first_turns(model):
 
 
 def test_hot_prefix_is_pinned_automatically_and_cools_down(model):
-    clock = [0.0]
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK, hot_threshold=3.0, half_life=10.0))
-    pool.index.clock = lambda: clock[0]
+    clock = manual_clock(pool)
     system = tokens(41, 15)
     for i in range(4):
         clock[0] += 0.1

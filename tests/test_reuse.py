@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import PAD, VOCAB, assert_pool_clean, greedy, make_model
+from conftest import PAD, VOCAB, assert_pool_clean, greedy, make_model, manual_clock
 from transformers import DynamicCache
 
 import hf_paged_kv
@@ -152,10 +152,9 @@ def test_clear_tenant_forgets_its_prefixes(model):
 
 
 def test_ttl_expiry(model):
-    clock = [0.0]
     pool = KVPool(num_blocks=64, block_size=BLOCK, ttl=10.0)
     hf_paged_kv.enable(model, pool=pool)
-    pool.index.clock = lambda: clock[0]
+    clock = manual_clock(pool)
     prompt = tokens(40, 17)
     run(model, [prompt])
     clock[0] = 5.0
@@ -174,10 +173,9 @@ def assert_pool_clean_after_free(pool):
 
 
 def test_eviction_takes_cold_leaves_first(model):
-    clock = [0.0]
     pool = KVPool(num_blocks=24, block_size=BLOCK, half_life=10.0)
     hf_paged_kv.enable(model, pool=pool)
-    pool.index.clock = lambda: clock[0]
+    clock = manual_clock(pool)
     hot, cold = tokens(41, 18), tokens(40, 19)  # 41: all 5 full blocks of the hot prompt are reusable
     run(model, [hot], new_tokens=1)
     run(model, [cold], new_tokens=1)
@@ -285,10 +283,9 @@ def test_pipeline_reuses_prefixes_across_calls():
 
 
 def test_priority_raises_a_prefix_value_in_eviction(model):
-    clock = [0.0]
     pool = KVPool(num_blocks=16, block_size=BLOCK)
     hf_paged_kv.enable(model, pool=pool)
-    pool.index.clock = lambda: clock[0]
+    clock = manual_clock(pool)
     important, ordinary = tokens(40, 50), tokens(40, 51)
     with PagedCache(priority=2) as cache:  # older, so by recency alone it would go first
         greedy(model, cache, important[None], torch.ones(1, 40, dtype=torch.long), new_tokens=1)
