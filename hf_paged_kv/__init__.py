@@ -7,13 +7,14 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
-from .attention import disable, enable, persist, pin, pool_of, publish, unpin
 from .cache import PagedCache
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
-from .pinning import PinBudgetError
+from .integration import disable, enable, pool_of
 from .pipeline import pipeline
 from .pool import KVPool
+from .prefixes import cached_tokens, persist, pin, publish, unpin
 from .reuse import SemanticIndex
+from .reuse.pins import PinBudgetError
 
 __all__ = [
     "enable",
@@ -23,6 +24,7 @@ __all__ = [
     "pin",
     "unpin",
     "persist",
+    "cached_tokens",
     "PinBudgetError",
     "pipeline",
     "PagedCache",
@@ -34,4 +36,4 @@ __all__ = [
     "CacheReleasedError",
     "UnsupportedModelError",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -7,25 +7,41 @@
     ...     out = model.generate(**next_turn, past_key_values=cache, max_new_tokens=32)
     # leaving the block (or `cache.release()`, or garbage collection) frees the blocks
 
-Each batch row owns a block table and a physical length. Pad positions are never stored, so rows
-of a left-padded batch hold only their real tokens. transformers still sees the logical (padded)
-length through `get_seq_length()`, as with `DynamicCache`.
+Each batch row is a `Sequence`: a block table and the tokens stored in it. Pad positions are
+never stored; transformers still sees the logical (padded) length through `get_seq_length()`,
+as with `DynamicCache`. Rows may share blocks (reference counted): identical prompts in one
+batch are stored once, beam search reorders rows by sharing, `copy.deepcopy` shares everything,
+and a row about to write into a shared block copies it first (copy-on-write).
 
-Rows may share blocks (reference counted): identical prompts in one batch (`num_return_sequences`)
-are stored once, and beam search reorders rows by sharing. A row about to write into a shared,
-partly filled block first copies it (copy-on-write).
+The integration calls `begin_forward` before each forward (plan it: inherit cached prefixes,
+allocate, compute slots) and then `finish_forward` or, if the forward raised anything at all,
+`abort_forward`, which leaves the cache exactly as it was.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import step
+from . import planner, prefill, step
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError
 from .pool import KVPool
 from .reuse.prefix_index import PUBLIC_TENANT
+from .sequence import Sequence
+
+
+@dataclass
+class _Forward:
+    """A planned forward, committed by `finish_forward` or undone by `abort_forward`."""
+
+    real: np.ndarray  # [B, T] stored columns
+    ids: np.ndarray  # [B, T] token ids (-1 where only embeddings were given)
+    inherited: np.ndarray  # per row: leading real tokens already stored (a reused prefix)
+    lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
 
 
 class PagedCache(Cache):
@@ -38,11 +54,11 @@ class PagedCache(Cache):
             prefixes published to all by `hf_paged_kv.publish`).
         reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
             ones (default). `False` computes everything and shares nothing.
-        priority: weight of this request's cached blocks in eviction and demotion (each step
-            doubles their value; see `reuse.prefix_index`).
         pin_turns: pin the first N turns of this conversation (a turn is a prefill of more
             than one token, i.e. one `generate` call) in device memory, within the pool's pin
-            budget; see `hf_paged_kv.pinning`.
+            budget; see `hf_paged_kv.reuse.pins`.
+        priority: weight of this request's cached blocks in eviction and demotion (each step
+            doubles their value; see `hf_paged_kv.policy`).
     """
 
     is_compileable = False  # True would switch on transformers' auto-compile for custom caches
@@ -54,22 +70,14 @@ class PagedCache(Cache):
             raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
         if pin_turns < 0 or (pin_turns and not reuse):
             raise ValueError("pin_turns must be >= 0, and pinned turns are only useful with reuse=True")
-        self.tenant = tenant
-        self.reuse = reuse
-        self.pin_turns = pin_turns
-        self.priority = priority
-        self._turn_starts: list[list[int]] = []  # row lengths when each prefill (turn) began
-        self._turns_pinned = False
+        self.tenant, self.reuse, self.pin_turns, self.priority = tenant, reuse, pin_turns, priority
+        self.sequences: list[Sequence] = []
+        self.inherited: list[int] = []  # per row: prompt tokens inherited from cached prefixes
         self._pool = pool
-        self._chains: list[list[bytes]] = []  # digests of each row's indexed full blocks
-        self._before: dict | None = None  # row state before the current forward (to undo a failure)
-        self._tables: list[list[int]] = []  # block ids per row
-        self._lengths: list[int] = []  # physical (stored) tokens per row
-        self._history: list[bytearray] = []  # per row and logical position: 1 real, 0 pad
-        self._tokens: list[list[int]] = []  # token id of each stored token (-1: unknown)
-        self._logical = 0  # padded length, what transformers sees
-        self._plan: step.StepPlan | None = None
-        self._pending: dict | None = None  # row state after the current forward, committed on first write
+        self._model: str | None = None  # fingerprint of the weights that computed this cache's KV
+        self._forward: _Forward | None = None
+        self._turn_starts: list[list[int]] = []  # stored row lengths when each turn began
+        self._turns_pinned = False
         self._released = False
 
     # ------------------------------------------------------------- lifecycle
@@ -78,42 +86,25 @@ class PagedCache(Cache):
         """The pool this cache draws from (None until first used with an enabled model)."""
         return self._pool
 
-    def bind(self, pool: KVPool) -> None:
-        """Attach to `pool` (done by the model's forward hook); refuses a second, different pool."""
-        self._check_alive()
-        if self._pool is None:
-            self._pool = pool
-        elif self._pool is not pool:
-            raise PagedKVError(
-                "this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model"
-            )
-
     def release(self) -> None:
         """Free every block this cache holds. Using the cache afterwards raises CacheReleasedError."""
         if self._released:
             return
-        if self.pin_turns and self._turn_starts and not self._turns_pinned and self._pending is None:
-            self._pin_first_turns(self._lengths)
-        self._offer_to_semantic_index()
-        self._drop_rows()
-        self._released = True
+        if self._forward is not None:
+            self.abort_forward()
+        if self._pool is not None and self.sequences:
+            with self._pool.locked():
+                self._release_rows(self._pool, self.sequences, offer=True)
+        self.sequences, self._released = [], True
 
-    def _pin_first_turns(self, lengths: list[int]) -> None:
-        """Pin each row's full blocks before `lengths` (the end of the first pin_turns turns)."""
-        pool, size = self._pool, self._pool.block_size
-        with pool._lock:
-            for table, length in zip(self._tables, lengths):
-                if length >= size:
-                    pool.pins.add(table[: length // size], self.tenant, 0, None, "turns")
-        self._turns_pinned = True
-
-    def _offer_to_semantic_index(self) -> None:
-        pool = self._pool
-        if not (self.reuse and pool is not None and pool.semantic is not None and self._pending is None):
-            return
-        with pool._lock:
-            for tokens, table in zip(self._tokens, self._tables):
-                pool.semantic.add(pool, self.tenant, tokens, table)
+    def _release_rows(self, pool: KVPool, sequences: list[Sequence], offer: bool) -> None:
+        shareable = offer and self.reuse and self._model is not None
+        if shareable and self.pin_turns and self._turn_starts and not self._turns_pinned:
+            self._pin_turns([s.length for s in sequences])
+        for sequence in sequences:
+            if shareable:
+                pool.reuse.offer(self._model, self.tenant, sequence)
+            pool.decref(sequence.blocks)
 
     def __enter__(self) -> "PagedCache":
         return self
@@ -122,30 +113,36 @@ class PagedCache(Cache):
         self.release()
 
     def __del__(self):
-        try:
-            self.release()
-        except Exception:  # interpreter shutdown: the pool may already be gone
-            pass
+        # A finalizer may run inside any pool operation: it queues the release, never locks.
+        if not getattr(self, "_released", True) and self._pool is not None and self.sequences:
+            offer = self._forward is None
+            self._pool.defer(functools.partial(self._release_rows, self._pool, self.sequences, offer))
+            self._released = True
+
+    def __deepcopy__(self, memo) -> "PagedCache":
+        """A copy that shares every block (copy-on-write) and continues independently."""
+        self._check_alive()
+        twin = PagedCache(self._pool, reuse=self.reuse, pin_turns=self.pin_turns, priority=self.priority)
+        twin.tenant, twin._model, twin.inherited = self.tenant, self._model, list(self.inherited)
+        twin._turn_starts, twin._turns_pinned = [list(t) for t in self._turn_starts], self._turns_pinned
+        twin.sequences = [s.copy() for s in self.sequences]
+        if self._pool is not None:
+            with self._pool.locked():
+                for sequence in twin.sequences:
+                    self._pool.incref(sequence.blocks)
+        return twin
 
     def _check_alive(self) -> None:
         if self._released:
             raise CacheReleasedError("this PagedCache was released; create a new PagedCache()")
 
-    def _drop_rows(self) -> None:
-        if self._pool is not None:
-            for table in self._tables:
-                self._pool.decref(table)
-        self._tables, self._lengths, self._history, self._tokens, self._chains = [], [], [], [], []
-        self._logical = 0
-        self._plan = self._pending = self._before = None
-
     # --------------------------------------------------- transformers protocol
     def get_seq_length(self, layer_idx: int = 0) -> int:
         self._check_alive()
-        return self._logical
+        return self.sequences[0].logical_length if self.sequences else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self._logical + query_length, 0
+        return self.get_seq_length() + query_length, 0
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -155,342 +152,198 @@ class PagedCache(Cache):
 
     @property
     def batch_size(self) -> int:
-        return len(self._tables) if self._tables else -1
+        return len(self.sequences) if self.sequences else -1
 
     @property
     def is_initialized(self) -> bool:
-        return bool(self._tables)
+        return bool(self.sequences)
 
     @property
     def is_croppable(self) -> bool:
         return True
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Write the new tokens' K/V (`[B, kv_heads, T, head_dim]`) into their blocks.
-
-        Returns the inputs unchanged: the registered attention function reads the whole sequence
-        from the pool through the active StepPlan.
-        """
+        """Returns the new K/V unchanged: the registered attention function writes them into
+        their blocks and reads the whole sequence from the pool."""
         self._check_alive()
-        plan = self._plan
-        if plan is None:
+        if step.current() is None:
             raise NotEnabledError(
                 "PagedCache needs its model prepared by `hf_paged_kv.enable(model)` before generate/forward"
             )
-        if self._pending is not None:
-            self._commit()
-        if plan.backend == "triton":
-            from hf_paged_kv.kernels import triton_backend
-
-            triton_backend.write(plan, layer_idx, key_states, value_states)
-        elif plan.write_src.numel():
-            batch, heads, new, dim = key_states.shape
-            device = key_states.device
-            src, dst = plan.on("write_src", device), plan.on("write_dst", device)
-            for cache, states in ((self._pool.key_cache, key_states), (self._pool.value_cache, value_states)):
-                flat = states.transpose(1, 2).reshape(batch * new, heads, dim)
-                cache[layer_idx].view(-1, heads, dim).index_copy_(0, dst, flat.index_select(0, src).to(cache[layer_idx].dtype))
         return key_states, value_states
-
-    # ------------------------------------------------------ forward planning
-    def begin_forward(
-        self,
-        input_ids: torch.Tensor | None,
-        attention_mask: torch.Tensor | None,
-        batch: int,
-        new: int,
-        allow_reuse: bool = False,
-    ) -> step.StepPlan:
-        """Plan the forward about to run: inherit cached prefixes, allocate blocks, compute write
-        slots and read metadata.
-
-        Called by the model's forward pre-hook. With `allow_reuse` (the caller only needs the
-        last position's logits, as `generate` does), a fresh cache inherits each row's longest
-        cached prefix, and the plan's `skip` says how many leading input columns the forward
-        may drop. Raises PoolExhaustedError before changing anything when the pool cannot hold
-        the new tokens.
-        """
-        self._check_alive()
-        pool = self._pool
-        if self._pending is not None:
-            self._rollback()
-        rows = len(self._tables)
-        if rows and rows != batch:
-            raise PagedKVError(
-                f"batch size changed from {rows} to {batch} rows within one PagedCache; "
-                "use a fresh PagedCache for a new batch"
-            )
-        real = self._new_token_mask(attention_mask, batch, new)
-        ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full((batch, new), -1)
-        fresh = not rows
-        lengths = np.array(self._lengths if rows else [0] * batch, dtype=np.int64)
-        canonical = self._duplicate_rows(ids, real) if fresh and input_ids is not None else list(range(batch))
-        tables = [list(t) for t in self._tables] if rows else [[] for _ in range(batch)]
-        try:
-            computed = real
-            if fresh and allow_reuse and self.reuse and input_ids is not None:
-                computed = self._inherit(ids, real, canonical, tables, lengths)
-            counts = computed.sum(axis=1)
-            skip = new - int(counts.max()) if batch else 0  # leading columns no row computes
-            computed, width = computed[:, skip:], new - skip
-            self._reserve(tables, lengths, counts, canonical)
-        except PoolExhaustedError:
-            if fresh:
-                for table in tables:  # give back the inherited prefixes
-                    pool.decref(table)
-            raise
-
-        new_lengths = lengths + counts
-        max_blocks = max(1, max(len(t) for t in tables))
-        block_tables = np.full((batch, max_blocks), -1, dtype=np.int32)
-        for b, table in enumerate(tables):
-            block_tables[b, : len(table)] = table
-        positions = lengths[:, None] + np.cumsum(computed, axis=1) - 1  # physical position of each new token
-        writes = computed & (np.asarray(canonical) == np.arange(batch))[:, None]
-        rows_w, cols_w = np.nonzero(writes)
-        pos_w = positions[rows_w, cols_w]
-        blocks_w = block_tables[rows_w, pos_w // pool.block_size]
-        with pool._lock:
-            np.maximum.at(pool.fill, blocks_w, pos_w % pool.block_size + 1)
-
-        slots = blocks_w.astype(np.int64) * pool.block_size + pos_w % pool.block_size
-        slot_mapping = np.full((batch, width), -1, dtype=np.int64)
-        slot_mapping[rows_w, cols_w] = slots
-        self._plan = step.StepPlan(
-            pool=pool,
-            write_src=torch.from_numpy(rows_w * width + cols_w),
-            write_dst=torch.from_numpy(slots),
-            slot_mapping=torch.from_numpy(slot_mapping),
-            block_tables=torch.from_numpy(block_tables),
-            kv_lens=torch.from_numpy(new_lengths.astype(np.int32)),
-            q_pos=torch.from_numpy(np.where(computed, positions, 0)),
-            max_kv_len=int(new_lengths.max()) if batch else 0,
-            uniform=bool(computed.all()) and bool((lengths == lengths[0]).all()),
-            skip=skip,
-        )
-        self._pending = {"lengths": new_lengths.tolist(), "real": real, "ids": ids, "new": new}
-        return self._plan
-
-    def _inherit(self, ids, real, canonical, tables, lengths) -> np.ndarray:
-        """Attach each row's longest cached prefix (exact block hashes, then the semantic index);
-        fills `tables` and `lengths` in place and returns which new tokens still need computing.
-        At least the last token of every row is computed: generate needs its logits."""
-        pool, size = self._pool, self._pool.block_size
-        computed = real.copy()
-        counters = pool.reuse_counters
-        with pool._lock:
-            for b in range(len(ids)):
-                if canonical[b] != b:  # same prompt as an earlier row: shares its blocks later
-                    lengths[b], computed[b] = lengths[canonical[b]], computed[canonical[b]]
-                    continue
-                tokens = ids[b][real[b]]
-                counters["lookups"] += 1
-                counters["lookup_tokens"] += len(tokens)
-                limit = len(tokens) - 1
-                blocks = tables[b] = pool.acquire_prefix(self.tenant, tokens, max(limit, 0) // size)
-                pool.pins.observe(self.tenant, list(blocks))
-                length = len(blocks) * size
-                counters["hit_tokens_prefix"] += length
-                if pool.semantic is not None and limit > 0:
-                    extended = pool.semantic.extend(pool, self.tenant, tokens, limit, blocks)
-                    counters["hit_tokens_semantic"] += extended - length
-                    length = extended
-                lengths[b] = length
-                computed[b, np.flatnonzero(real[b])[:length]] = False
-        return computed
-
-    def end_forward(self, succeeded: bool = True) -> None:
-        """Called by the model's forward post-hook: the plan is spent.
-
-        After a successful forward the rows' new full blocks join the prefix index (identical
-        blocks already there are shared instead). A forward that raised is undone: the rows go
-        back to their previous lengths, so half-written KV is never used or shared.
-        """
-        self._plan = None
-        before, self._before = self._before, None
-        if not succeeded:
-            if self._pending is None and before is not None:
-                self._restore(before)
-            return
-        if self.reuse and self._pending is None and self._tables:
-            self._index_full_blocks()
-
-    def _index_full_blocks(self) -> None:
-        pool, size = self._pool, self._pool.block_size
-        with pool._lock:
-            for b, tokens in enumerate(self._tokens):
-                chain, table = self._chains[b], self._tables[b]
-                full = len(tokens) // size
-                if full <= len(chain) or -1 in tokens[len(chain) * size : full * size]:
-                    continue
-                start = chain[-1] if chain else pool.index.root(self.tenant)
-                digests = pool.index.extend(start, tokens[len(chain) * size : full * size])
-                for position, known in pool.index.register(self.tenant, len(chain), digests, table, self.priority):
-                    pool.incref([known])
-                    pool.decref([table[position]])
-                    table[position] = known
-                chain.extend(digests)
-                pool.pins.observe(self.tenant, table[: len(chain)])
-
-    def _restore(self, before: dict) -> None:
-        """Put the rows back as they were before a forward that failed after its first write."""
-        if not before["lengths"]:
-            self._drop_rows()
-            return
-        self._lengths, self._logical = before["lengths"], before["logical"]
-        for history in self._history:
-            del history[self._logical :]
-        self._cut_rows_to_lengths()
-
-
-    @staticmethod
-    def _new_token_mask(attention_mask, batch: int, new: int) -> np.ndarray:
-        if attention_mask is None:
-            return np.ones((batch, new), dtype=bool)
-        if attention_mask.dim() != 2:
-            raise PagedKVError(
-                f"PagedCache needs a 2D [batch, length] attention_mask (got {attention_mask.dim()}D): "
-                "it reads padding from it"
-            )
-        return attention_mask[:, -new:].detach().cpu().numpy().astype(bool)
-
-    @staticmethod
-    def _duplicate_rows(ids: np.ndarray, real: np.ndarray) -> list[int]:
-        """For each row, the first row with the same tokens and padding (itself if none)."""
-        first: dict[bytes, int] = {}
-        return [first.setdefault(ids[b].tobytes() + real[b].tobytes(), b) for b in range(len(ids))]
-
-    def _reserve(self, tables, lengths, counts, canonical) -> None:
-        """Grow `tables` in place for the new tokens; all-or-nothing against the pool."""
-        pool, size = self._pool, self._pool.block_size
-        grow, copy_on_write, shared = [], [], {}
-        for b, table in enumerate(tables):
-            if canonical[b] != b:
-                grow.append(0)
-                copy_on_write.append(False)
-                continue
-            total = -(-(lengths[b] + counts[b]) // size)
-            grow.append(total - len(table))
-            partial = table[lengths[b] // size] if counts[b] and lengths[b] % size else None
-            refs = shared.setdefault(partial, int(pool.refcount[partial])) if partial is not None else 1
-            copy_on_write.append(refs > 1)
-            if refs > 1:
-                shared[partial] = refs - 1
-        with pool._lock:
-            fresh = pool.allocate(sum(grow) + sum(copy_on_write))
-            for b, table in enumerate(tables):
-                if copy_on_write[b]:
-                    index = lengths[b] // size
-                    new_block = fresh.pop()
-                    pool.copy_block(table[index], new_block)
-                    pool.decref([table[index]])
-                    table[index] = new_block
-                table.extend(fresh.pop() for _ in range(grow[b]))
-            for b, table in enumerate(tables):
-                if canonical[b] != b:
-                    table.extend(tables[canonical[b]])
-                    pool.incref(tables[canonical[b]])
-        self._tables = tables  # blocks now belong to this cache, whatever happens to the forward
-
-    def _rollback(self) -> None:
-        """Undo the block growth of a planned forward that never ran (it raised before its first write)."""
-        self._pending = None
-        if not self._lengths:
-            self._drop_rows()
-            return
-        self._cut_rows_to_lengths()
-
-    def _cut_rows_to_lengths(self) -> None:
-        """Drop each row's tokens, digests and blocks past its length; a last block this row
-        holds alone gets the matching fill level."""
-        pool, size = self._pool, self._pool.block_size
-        for b, table in enumerate(self._tables):
-            length = self._lengths[b]
-            del self._tokens[b][length:]
-            del self._chains[b][length // size :]
-            keep = -(-length // size)
-            pool.decref(table[keep:])
-            del table[keep:]
-            if keep and pool.refcount[table[-1]] == 1:
-                pool.fill[table[-1]] = length - (keep - 1) * size
-
-    def _commit(self) -> None:
-        """Adopt the row state planned for this forward (on its first layer's write)."""
-        pending, self._pending = self._pending, None
-        self._before = {"lengths": list(self._lengths), "logical": self._logical}
-        real, ids, new = pending["real"], pending["ids"], pending["new"]
-        if new > 1 and self.pin_turns:
-            self._turn_starts.append(list(self._lengths) or [0] * len(real))
-            if len(self._turn_starts) == self.pin_turns + 1 and not self._turns_pinned:
-                self._pin_first_turns(self._turn_starts[-1])
-        if not self._history:
-            self._history = [bytearray() for _ in range(len(real))]
-            self._tokens = [[] for _ in range(len(real))]
-            self._chains = [[] for _ in range(len(real))]
-        for b, history in enumerate(self._history):
-            history.extend(real[b].astype(np.uint8).tobytes())
-            self._tokens[b].extend(ids[b][real[b]].tolist())
-        self._lengths = pending["lengths"]
-        self._logical += new
-
-    # ------------------------------------------------- batch reshaping (beam search, crop)
-    def _select_rows(self, rows: list[int]) -> None:
-        self._check_alive()
-        pool = self._pool
-        tables = [list(self._tables[r]) for r in rows]
-        for table in tables:
-            pool.incref(table)
-        for table in self._tables:
-            pool.decref(table)
-        self._tables = tables
-        self._lengths = [self._lengths[r] for r in rows]
-        self._history = [bytearray(self._history[r]) for r in rows]
-        self._tokens = [list(self._tokens[r]) for r in rows]
-        self._chains = [list(self._chains[r]) for r in rows]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row `beam_idx[i]`, sharing its blocks."""
-        if self._tables:
-            self._select_rows(beam_idx.tolist())
+        self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        if self._tables:
-            self._select_rows([r for r in range(len(self._tables)) for _ in range(repeats)])
+        self._select_rows([r for r in range(len(self.sequences)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._tables:
-            self._select_rows(indices.tolist())
+        self._select_rows(indices.tolist())
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` logical positions (a positive value is the length to keep)."""
+    def _select_rows(self, rows: list[int]) -> None:
         self._check_alive()
-        remove = self._logical - tokens_to_remove if tokens_to_remove > 0 else -tokens_to_remove
-        if remove <= 0:
+        if not self.sequences:
             return
-        keep = self._logical - remove
-        for b, history in enumerate(self._history):
-            self._lengths[b] -= sum(history[keep:])
-            del history[keep:]
-        self._cut_rows_to_lengths()
-        self._logical = keep
+        chosen = [self.sequences[r].copy() for r in rows]
+        with self._pool.locked():
+            for sequence in chosen:
+                self._pool.incref(sequence.blocks)
+            for sequence in self.sequences:
+                self._pool.decref(sequence.blocks)
+        self.sequences = chosen
+        self.inherited = [self.inherited[r] for r in rows] if self.inherited else []
+
+    def crop(self, max_length: int) -> None:
+        """Drop the last `-max_length` logical positions if negative (what generate does); keep
+        the first `max_length` if positive; 0 changes nothing (transformers' convention)."""
+        self._check_alive()
+        logical = self.get_seq_length()
+        keep = max_length if max_length > 0 else logical + max_length
+        if keep >= logical or not self.sequences:
+            return
+        with self._pool.locked():
+            for sequence in self.sequences:
+                self._pool.decref(sequence.crop(max(keep, 0), self._pool.block_size))
 
     def reset(self) -> None:
         """Forget all tokens and free the blocks; the cache stays usable."""
         self._check_alive()
-        self._drop_rows()
+        if self._pool is not None and self.sequences:
+            with self._pool.locked():
+                for sequence in self.sequences:
+                    self._pool.decref(sequence.blocks)
+        self.sequences, self.inherited = [], []
 
-    def __repr__(self) -> str:
-        state = "released" if self._released else f"rows={len(self._tables)}, seq_len={self._logical}"
-        return f"PagedCache({state}, blocks={sum(len(t) for t in self._tables)})"
+    # ------------------------------------------------------ forward lifecycle
+    def begin_forward(self, pool: KVPool, model: str, input_ids, attention_mask, shape: tuple[int, int],
+                      allow_reuse: bool, logical: bool = False) -> step.StepPlan:
+        """Plan the forward about to run (called by the model's forward wrapper).
 
-    # ------------------------------------------------------------- inspection
+        Binds the cache to `pool`; a fresh cache with `allow_reuse` (the caller needs only the
+        last position's logits, as `generate` does) inherits each row's longest cached prefix,
+        and the plan's `skip` says how many leading input columns the forward may drop.
+        Raises PoolExhaustedError before changing anything when the pool cannot hold the new
+        tokens. `model` is the fingerprint of the weights about to run; `logical` asks the plan
+        for logical key positions (to report attention weights).
+        """
+        self._check_alive()
+        if self._forward is not None:  # the previous forward never finished (interrupted)
+            self.abort_forward()
+        self._bind(pool, model)
+        batch, width = shape
+        real = _stored_columns(attention_mask, batch, width)
+        ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full((batch, width), -1)
+        fresh = not self.sequences
+        if not fresh and len(self.sequences) != batch:
+            raise PagedKVError(f"batch size changed from {len(self.sequences)} to {batch} rows within one "
+                               "PagedCache; use a fresh PagedCache for a new batch")
+        reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
+        canonical = prefill.duplicate_rows(ids, real) if fresh and input_ids is not None else np.arange(batch)
+        vectors = prefill.prompt_vectors(pool, ids, real, canonical) if reusing else None
+        sequences = [Sequence() for _ in range(batch)] if fresh else self.sequences
+        inherited = np.zeros(batch, dtype=np.int64)
+        with pool.locked():
+            if reusing:
+                inherited = prefill.inherit_rows(pool, model, self.tenant, sequences, ids, real, canonical, vectors)
+            writers = canonical == np.arange(batch)
+            counts = np.where(writers, real.sum(axis=1) - inherited, 0)
+            try:
+                pool.grow(sequences, counts)
+            except PoolExhaustedError:
+                if fresh:
+                    for sequence in sequences:
+                        pool.decref(sequence.blocks)
+                raise
+            if fresh:
+                prefill.share_duplicates(pool, sequences, canonical)
+            skip = planner.columns_to_skip(real, inherited) if allow_reuse else 0
+            plan = planner.plan_batch(sequences, real, pool.block_size, inherited, writers, skip, logical)
+            pool.mark_written(plan.slot_mapping)
+        before = [] if fresh else [s.length for s in sequences]
+        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before)
+        if fresh:
+            self.inherited = inherited.tolist()
+        return plan
+
+    def finish_forward(self) -> None:
+        """The forward succeeded: adopt its tokens, and offer the rows' new full blocks for reuse
+        (identical blocks already indexed are shared instead)."""
+        forward, self._forward = self._forward, None
+        if forward is None:
+            return
+        width = forward.real.shape[1]
+        if width > 1 and self.pin_turns:
+            self._turn_starts.append(forward.lengths_before or [0] * len(self.sequences))
+        for b, sequence in enumerate(self.sequences):
+            stored = forward.ids[b][forward.real[b]][forward.inherited[b] :]
+            sequence.history.extend(forward.real[b].astype(np.uint8).tobytes())
+            sequence.tokens.extend(stored.tolist())
+            sequence.length += len(stored)
+        if self.reuse and self._model is not None:
+            with self._pool.locked():
+                for sequence in self.sequences:
+                    self._pool.reuse.index_sequence(self._model, self.tenant, sequence, self.priority)
+                if len(self._turn_starts) == self.pin_turns + 1 and not self._turns_pinned:
+                    self._pin_turns(self._turn_starts[-1])
+
+    def abort_forward(self) -> None:
+        """The forward raised (any exception, KeyboardInterrupt included): undo its planning.
+        Nothing it half-wrote is ever indexed, offered, pinned or read again."""
+        forward, self._forward = self._forward, None
+        if forward is None:
+            return
+        with self._pool.locked():
+            if not forward.lengths_before:  # a fresh cache: give everything back
+                for sequence in self.sequences:
+                    self._pool.decref(sequence.blocks)
+                self.sequences, self.inherited = [], []
+                return
+            for sequence, length in zip(self.sequences, forward.lengths_before):
+                self._pool.decref(sequence.truncate(length, self._pool.block_size))
+
+    def _bind(self, pool: KVPool, model: str) -> None:
+        if self._pool is None:
+            self._pool = pool
+        elif self._pool is not pool:
+            raise PagedKVError("this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model")
+        if self._model is None and not self.sequences:
+            self._model = model
+        elif self._model != model:  # other weights now: keep computing, never share what this cache holds
+            self._model = None
+
+    def _pin_turns(self, lengths: list[int]) -> None:
+        """Pin each row's full blocks before `lengths` (the end of the first pin_turns turns)."""
+        size = self._pool.block_size
+        for sequence, length in zip(self.sequences, lengths):
+            if length >= size:
+                self._pool.reuse.pins.add(sequence.blocks[: length // size], self.tenant, 0, None, "turns")
+        self._turns_pinned = True
+
+    # ---------------------------------------------------------- inspection
     def row_lengths(self) -> list[int]:
         """Stored (non-pad) tokens per row."""
-        return list(self._lengths)
+        return [s.length for s in self.sequences]
 
     def block_tables(self) -> list[list[int]]:
-        return [list(t) for t in self._tables]
+        return [list(s.blocks) for s in self.sequences]
 
     def token_ids(self) -> list[list[int]]:
         """Token ids of the stored tokens of each row (-1 where the forward had only embeddings)."""
-        return [list(t) for t in self._tokens]
+        return [list(s.tokens) for s in self.sequences]
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else f"rows={len(self.sequences)}, seq_len={self.get_seq_length()}"
+        return f"PagedCache({state}, blocks={sum(len(s.blocks) for s in self.sequences)})"
+
+
+def _stored_columns(attention_mask, batch: int, width: int) -> np.ndarray:
+    """bool `[B, T]`: which of the forward's columns hold real tokens (stored), from the mask's tail."""
+    if attention_mask is None:
+        return np.ones((batch, width), dtype=bool)
+    if attention_mask.dim() != 2:
+        raise PagedKVError(
+            f"PagedCache needs a 2D [batch, length] attention_mask (got {attention_mask.dim()}D): it reads padding from it"
+        )
+    return attention_mask[:, -width:].detach().cpu().numpy().astype(bool)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import transformers
 from transformers.pipelines.text_generation import TextGenerationPipeline
 
-from .attention import enable
+from .integration import enable
 from .cache import PagedCache
 
 

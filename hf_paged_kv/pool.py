@@ -1,32 +1,39 @@
-"""KVPool: the preallocated block pool every PagedCache of a model draws from.
+"""KVPool: the preallocated block pool every PagedCache (and the serving engine) of a model draws from.
 
 Layout (shared with the kernels): per layer one K and one V tensor of shape
 `[num_blocks, block_size, num_kv_heads, head_dim]` on that layer's device. A block id names the
-same token range in every layer, so the allocator below is layer-agnostic. Block metadata
-(reference counts, fill levels) lives on the host in NumPy arrays: reading it never syncs a
-device.
+same token range in every layer, so the allocator is layer-agnostic; its bookkeeping lives on
+the host (`allocator.BlockAllocator`), so reading it never waits for a device.
 
     >>> pool = KVPool(num_blocks=4096, block_size=16)      # or KVPool(max_bytes=2 << 30)
-    >>> hf_paged_kv.enable(model, pool=pool)               # takes layer shapes and devices
+    >>> hf_paged_kv.enable(model, pool=pool)               # allocates for the model's layers
     >>> pool.stats()["blocks_free"]
+
+The pool owns its parts and routes blocks between them: the `ReuseManager` (prefix index,
+semantic index, pins) decides what stays cached, the `TierChain` keeps what leaves the device.
+Every operation runs under one lock (`locked()`); callers that combine several take it once.
 """
 
 from __future__ import annotations
 
+import collections
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from . import sizing
+from .allocator import BlockAllocator
 from .errors import PagedKVError, PoolExhaustedError
-from .pinning import PinRegistry
+from .policy import BlockMeta, Policy
+from .reuse.manager import ReuseManager
+from .reuse.pins import check_settings
+from .sequence import Sequence
+from .tiers.chain import TierChain
 from .tiers.disk import DiskTier
 from .tiers.host import HostTier
-from .reuse.prefix_index import PrefixIndex
-
-DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
-DEFAULT_DEVICE_FRACTION = 0.5  # of the free memory of each accelerator holding layers
 
 
 @dataclass(frozen=True)
@@ -39,315 +46,268 @@ class LayerSpec:
 
 
 class KVPool:
-    """Fixed-size KV blocks for one model, with a reference-counted allocator.
+    """Fixed-size KV blocks for one model, with reuse, pins and memory tiers.
 
-    Size it with exactly one of `num_blocks`, `max_bytes` (total over all layers and devices)
-    or `memory_fraction` (of the free memory of each accelerator). With none, the pool takes
-    `DEFAULT_DEVICE_FRACTION` of free accelerator memory, or `DEFAULT_CPU_BYTES` on the CPU.
-    The tensors are allocated when the pool is bound to a model by `hf_paged_kv.enable`.
+    Size it with at most one of `num_blocks`, `max_bytes` (total over all layers and devices)
+    or `memory_fraction` (of the free memory of each accelerator, or of host memory on the
+    CPU). The tensors are allocated when `hf_paged_kv.enable` binds the pool to a model; a size
+    the devices cannot hold is refused before anything is allocated. See the README for the
+    reuse (`ttl`, `half_life`, `semantic`), pinning (`pin_budget`, `hot_threshold`) and tier
+    (`host_blocks`, `disk_dir`, `disk_bytes`) options.
     """
 
-    def __init__(
-        self,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        max_bytes: int | None = None,
-        memory_fraction: float | None = None,
-        dtype: torch.dtype | None = None,
-        ttl: float | None = None,
-        half_life: float = 600.0,
-        semantic=None,
-        pin_budget: float = 0.25,
-        hot_threshold: float | None = 8.0,
-        host_blocks: int | None = None,
-        disk_dir=None,
-        disk_bytes: int = 1 << 30,
-    ):
-        if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
-            raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
-        if not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-        if num_blocks is not None and num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if max_bytes is not None and max_bytes < 1:
-            raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-        if memory_fraction is not None and not 0 < memory_fraction <= 1:
-            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
-        if half_life <= 0:
-            raise ValueError(f"half_life must be > 0 seconds, got {half_life}")
-        self.block_size = block_size
-        self.dtype = dtype
-        self.ttl, self.half_life = ttl, half_life
-        self.semantic = semantic  # optional SemanticIndex
-        self.pin_budget, self.hot_threshold = pin_budget, hot_threshold
-        self.host_blocks = host_blocks
-        self.host: HostTier | None = None
-        self.disk_dir, self.disk_bytes = disk_dir, disk_bytes
-        self.disk: DiskTier | None = None
-        self.reuse_counters = dict.fromkeys(
-            ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "semantic_candidates",
-             "semantic_rejected"), 0)
-        self._requested_blocks = num_blocks
-        self._max_bytes = max_bytes
-        self._memory_fraction = memory_fraction
+    def __init__(self, num_blocks: int | None = None, block_size: int = 16, max_bytes: int | None = None,
+                 memory_fraction: float | None = None, dtype: torch.dtype | None = None, ttl: float | None = None,
+                 half_life: float = 600.0, semantic=None, pin_budget: float = 0.25, hot_threshold: float | None = 8.0,
+                 host_blocks: int | None = None, disk_dir=None, disk_bytes: int = 1 << 30):
+        sizing.check_arguments(num_blocks, block_size, max_bytes, memory_fraction)
+        check_settings(pin_budget, hot_threshold)
+        if host_blocks is not None and host_blocks < 1:
+            raise ValueError(f"host_blocks must be >= 1, got {host_blocks}")
+        if disk_dir is not None and disk_bytes < 1:
+            raise ValueError(f"disk_bytes must be >= 1, got {disk_bytes}")
+        self.block_size, self.dtype = block_size, dtype
+        self.policy = Policy(half_life, ttl)
+        self.semantic = semantic
+        self.options = dict(num_blocks=num_blocks, max_bytes=max_bytes, memory_fraction=memory_fraction,
+                            pin_budget=pin_budget, hot_threshold=hot_threshold, host_blocks=host_blocks,
+                            disk_dir=disk_dir, disk_bytes=disk_bytes)
         self.layers: list[LayerSpec] = []
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.allocator: BlockAllocator | None = None
+        self.reuse: ReuseManager | None = None
+        self.tiers: TierChain | None = None
         self._lock = threading.RLock()
+        self._deferred: collections.deque = collections.deque()  # work queued by finalizers
 
     # ------------------------------------------------------------------ binding
     @property
     def is_bound(self) -> bool:
         return bool(self.key_cache)
 
-    def bind(self, layers: list[LayerSpec], dtype: torch.dtype, fingerprint: str = "") -> None:
-        """Allocate the block tensors for these layers (called by `hf_paged_kv.enable`)."""
+    def bind(self, layers: list[LayerSpec], dtype: torch.dtype, model: str = "") -> None:
+        """Allocate the block tensors for these layers (called by `hf_paged_kv.enable`; `model`
+        is the enabling model's fingerprint, which the disk tier checks its files against)."""
         if self.is_bound:
             if layers != self.layers or (self.dtype or dtype) != self.dtype:
-                raise PagedKVError("this KVPool is already bound to a model with other layer shapes")
+                raise PagedKVError("this KVPool is already bound to a model with other layer shapes or dtype")
             return
         self.dtype = self.dtype or dtype
-        self.layers = list(layers)
-        self.num_blocks = self._choose_num_blocks()
-        if self.num_blocks < 1:
-            raise PagedKVError(
-                f"the memory budget holds no block of {self.bytes_per_block} bytes; raise it"
-            )
-        for spec in self.layers:
+        self.num_blocks = sizing.choose_num_blocks(self.options, layers, self.block_size, self.dtype)
+        sizing.check_fits(layers, self.num_blocks, self.block_size, self.dtype)
+        for spec in layers:
             shape = (self.num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
             # zeros, not empty: attention may read stale slots under a mask, and 0 * NaN is NaN.
             self.key_cache.append(torch.zeros(shape, dtype=self.dtype, device=spec.device))
             self.value_cache.append(torch.zeros(shape, dtype=self.dtype, device=spec.device))
-        self.refcount = np.zeros(self.num_blocks, dtype=np.int32)
-        self.fill = np.zeros(self.num_blocks, dtype=np.int32)
-        self.version = np.zeros(self.num_blocks, dtype=np.int64)  # bumped whenever a block is freed
-        self.fingerprint = f"{fingerprint}|block_size={self.block_size}|dtype={self.dtype}"
-        self.index = PrefixIndex(self.block_size, self.fingerprint, self.half_life, self.ttl)
-        self.pins = PinRegistry(self, self.pin_budget, self.hot_threshold)
-        if self.host_blocks:
-            self.host = HostTier(self, self.host_blocks)
-        if self.disk_dir is not None:
-            self.disk = DiskTier(self, self.disk_dir, self.disk_bytes)
-        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out low ids first
-        self.high_water = 0
+        self.layers = list(layers)
+        self.allocator = BlockAllocator(self.num_blocks)
+        self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
+                                  self.options["pin_budget"], self.options["hot_threshold"])
+        self.tiers = TierChain(self.policy, *self._lower_tiers(model))
 
-    def bytes_for(self, layers: list[LayerSpec] | None = None) -> int:
-        """Bytes of one block summed over `layers` (default: all bound layers)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = (2 * self.block_size * s.num_kv_heads * s.head_dim * itemsize for s in layers or self.layers)
-        return sum(per_layer)
+    def _lower_tiers(self, model: str) -> tuple[HostTier | None, DiskTier | None]:
+        shapes = [(self.block_size, s.num_kv_heads, s.head_dim) for s in self.layers]
+        host = disk = None
+        if self.options["host_blocks"]:
+            host = HostTier(self.options["host_blocks"], shapes, self.dtype, self.policy, self.layers[0].device)
+        if self.options["disk_dir"] is not None:
+            disk = DiskTier(self.options["disk_dir"], self.options["disk_bytes"], shapes, self.dtype, self.policy, model)
+        return host, disk
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_for()
+        return sizing.block_bytes(self.layers, self.block_size, self.dtype) if self.is_bound else 0
 
-    def _choose_num_blocks(self) -> int:
-        if self._requested_blocks is not None:
-            return self._requested_blocks
-        if self._max_bytes is not None:
-            return self._max_bytes // self.bytes_per_block
-        devices = {s.device for s in self.layers}
-        accelerators = [d for d in devices if d.type != "cpu"]
-        if not accelerators:
-            fraction = self._memory_fraction
-            budget = DEFAULT_CPU_BYTES if fraction is None else int(fraction * _host_memory())
-            return budget // self.bytes_per_block
-        fraction = self._memory_fraction or DEFAULT_DEVICE_FRACTION
-        counts = []
-        for device in accelerators:
-            free, _ = torch.cuda.mem_get_info(device)
-            on_device = [s for s in self.layers if s.device == device]
-            counts.append(int(free * fraction) // self.bytes_for(on_device))
-        return min(counts)
+    # ------------------------------------------------------------------ locking
+    @contextmanager
+    def locked(self):
+        """Hold the pool's lock (reentrant). Work queued by finalizers runs first."""
+        with self._lock:
+            while self._deferred:
+                self._deferred.popleft()()
+            yield self
+
+    def defer(self, work) -> None:
+        """Queue `work()` for the next `locked()` (from a finalizer, which must not take locks)."""
+        self._deferred.append(work)
 
     # ---------------------------------------------------------------- allocator
-    def allocate(self, n: int) -> list[int]:
-        """Take `n` free blocks (reference count 1 each), evicting cached blocks when the free
-        list is short, or raise PoolExhaustedError (and take nothing)."""
-        with self._lock:
-            self.reserve_check(n)
-            if n > len(self._free):
-                self._evict_until_free(n)
-            if n > len(self._free):  # shared semantic blocks did not free as counted
-                raise PoolExhaustedError(n, len(self._free), self.num_blocks)
-            ids = [self._free.pop() for _ in range(n)]
-            self.refcount[ids] = 1
-            self.high_water = max(self.high_water, int((self.refcount > 0).sum()))
-            return ids
+    def allocate(self, count: int, after: int | None = None) -> list[int]:
+        """Take `count` blocks (reference count 1 each), continuing the run ending at `after`
+        where possible; cached blocks are evicted (and demoted) when the free ones run short.
+        Raises PoolExhaustedError, taking nothing, when even eviction cannot make room."""
+        with self.locked():
+            self.reserve_check(count)
+            if count > self.allocator.num_free:
+                self._evict(count - self.allocator.num_free)
+            if count > self.allocator.num_free:  # shared semantic blocks did not free as counted
+                raise PoolExhaustedError(count, self.allocator.num_free, self.num_blocks)
+            return self.allocator.take(count, after)
 
-    def incref(self, ids) -> None:
-        """Add a reference to blocks in use or cached by the prefix index (never to free ones)."""
-        with self._lock:
-            ids = np.asarray(ids, dtype=np.int64)
-            free = [b for b in ids.tolist() if self.refcount[b] <= 0 and not self.index.is_cached(b)]
-            if free:
-                raise PagedKVError(f"incref of free block(s) {free}")
-            np.add.at(self.refcount, ids, 1)
+    def _evict(self, count: int) -> None:
+        for block, meta in self.reuse.evict(count, self.policy.now()):
+            self.tiers.demote(meta, self.block_layers(block))
 
-    def decref(self, ids) -> None:
-        """Drop one reference from each block; blocks reaching zero return to the free list."""
-        with self._lock:
-            idle = []
-            for block in ids:
-                if self.refcount[block] <= 0:
-                    raise PagedKVError(f"double free of block {block}")
-                self.refcount[block] -= 1
-                if self.refcount[block] == 0:
-                    idle.append(block)
-                    if not self.index.is_cached(block):
-                        self._release(block)
-            if self.host is not None:
-                self.host.note_idle(idle)
+    def incref(self, blocks) -> None:
+        """Add a reference to blocks in use or cached (never to free ones)."""
+        with self.locked():
+            self.allocator.incref(blocks)
 
-    def _release(self, block: int) -> None:
-        self.fill[block] = 0
-        self.version[block] += 1
-        self._free.append(block)
+    def decref(self, blocks) -> None:
+        """Drop one reference from each block; unindexed blocks reaching zero are freed."""
+        with self.locked():
+            self.tiers.note_idle(self.allocator.decref(blocks))
 
-    def _evict_until_free(self, n: int) -> None:
-        """Evict until `n` blocks are free: cached prefix blocks first (by value), then the
-        oldest semantic entries' partial blocks."""
-        self.pins.expire(self.index.clock())
-        now = self.index.clock()
-        for block, entry in self.index.evict(n - len(self._free), self.refcount):
-            if not (entry.expires is not None and now >= entry.expires):  # cold, not dead: one tier down
-                if self.host is not None:
-                    self.host.demote(block, entry)
-                elif self.disk is not None:
-                    self.write_to_disk(block, entry, now)
-            self._release(block)
-        while len(self._free) < n and self.semantic is not None and self.semantic.drop_oldest(self):
-            pass
+    def num_free(self) -> int:
+        return self.allocator.num_free
 
-    def write_to_disk(self, block: int, entry, now: float) -> None:
-        """Store device `block`, indexed as `entry`, in the disk tier."""
-        self.disk.write(entry.digest, entry.tenant, entry.depth, self.index.weight(entry, now),
-                        int(self.fill[block]), self.block_layers(block), entry.priority)
+    def num_available(self) -> int:
+        """Free blocks plus the cached ones eviction could free."""
+        with self.locked():
+            return self.allocator.num_free + self.reuse.evictable()
 
-    def acquire_prefix(self, tenant: str, tokens, max_blocks: int) -> list[int]:
-        """Referenced blocks of the longest cached prefix of `tokens` (at most `max_blocks`),
-        from the device index or, failing that, copied back from the host tier."""
-        with self._lock:
-            now, found = self.index.clock(), []
-            for position, (mine, shared) in enumerate(self.index.digest_pairs(tenant, tokens, max_blocks)):
-                block = self.index.lookup(mine, now)
-                block = self.index.lookup(shared, now) if block is None else block
-                if block is not None:
-                    self.incref([block])
-                elif (block := self._promote(mine, position, found, now)) is None:
-                    if (block := self._promote(shared, position, found, now)) is None:
-                        break
-                found.append(block)
-            self.index.touch(found, now)
-            return found
+    def reserve_check(self, count: int) -> None:
+        """Raise PoolExhaustedError now if `count` blocks could not be allocated."""
+        with self.locked():
+            if count > self.allocator.num_free and count > self.num_available():
+                raise PoolExhaustedError(count, self.num_available(), self.num_blocks)
 
-    def _promote(self, digest: bytes, position: int, found: list[int], now: float) -> int | None:
-        """Bring the host-tier or disk copy of `digest` back into a fresh device block (referenced)."""
-        in_host = self.host is not None and self.host.lookup(digest, now) is not None
-        in_disk = self.disk is not None and self.disk.contains(digest)
-        if not (in_host or in_disk) or self.num_available() < 1:
-            return None
-        (block,) = self.allocate(1)  # may demote other blocks and so drop host slots: look again
-        slot = self.host.lookup(digest, now) if self.host is not None else None
-        if slot is not None:
-            entry = self.host.promote(slot, block)
-            weight, last, expires = entry.weight, entry.last_access, entry.expires
-            tenant, priority = entry.tenant, entry.priority
-        elif (disk_entry := self.disk.load(digest, block) if self.disk is not None else None) is not None:
-            tenant, weight, last, priority = disk_entry.tenant, disk_entry.weight, now, disk_entry.priority
-            expires = None if self.ttl is None else now + self.ttl
-        else:
-            self.decref([block])
-            return None
-        self.index.adopt(block, digest, tenant, position, found[-1] if found else None, weight, last, expires,
-                         priority)
-        return block
-
+    # ----------------------------------------------------------- block content
     def block_layers(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`(key, value)` of one block in every layer (views into the pool)."""
         return [(k[block], v[block]) for k, v in zip(self.key_cache, self.value_cache)]
 
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def num_available(self) -> int:
-        """Free blocks plus cached ones that eviction could free."""
-        held = self.semantic.held_blocks(self) if self.semantic is not None else 0
-        return len(self._free) + self.index.evictable(self.refcount) + held
-
-    def reserve_check(self, n: int) -> None:
-        """Raise PoolExhaustedError now if `n` blocks could not be allocated."""
-        with self._lock:
-            if n > len(self._free) and n > self.num_available():
-                raise PoolExhaustedError(n, self.num_available(), self.num_blocks)
-
-    def clear_tenant(self, tenant: str) -> int:
-        """Forget every cached prefix of `tenant` (blocks in use stay with their caches but are
-        no longer shared); returns how many blocks were freed."""
-        with self._lock:
-            freed = 0
-            for block in self.index.forget_tenant(tenant):
-                if self.refcount[block] == 0:
-                    self._release(block)
-                    freed += 1
-            if self.semantic is not None:
-                freed += self.semantic.forget_tenant(tenant, self)
-            return freed
-
     def copy_block(self, src: int, dst: int) -> None:
-        """Copy one block's K and V in every layer (copy-on-write of a shared block)."""
+        """Copy one block's K and V in every layer."""
         for keys, values in zip(self.key_cache, self.value_cache):
             keys[dst].copy_(keys[src])
             values[dst].copy_(values[src])
-        self.fill[dst] = self.fill[src]
+        self.allocator.fill[dst] = self.allocator.fill[src]
 
-    # ------------------------------------------------------------------- stats
+    def grow(self, sequences: list[Sequence], counts) -> None:
+        """Give each sequence the blocks for `counts[i]` more stored tokens, all or nothing
+        (PoolExhaustedError, nothing changed). A sequence about to write into a block it shares,
+        or one the prefix index offers, first gets its own copy (copy-on-write)."""
+        size = self.block_size
+        with self.locked():
+            shared = collections.Counter()
+            copies = []
+            for sequence, count in zip(sequences, counts):
+                partial = sequence.partial_block(size) if count else None
+                # never write into a block others hold or the index offers (it names other tokens)
+                others = self.allocator.refcount[partial] - shared[partial] > 1 if partial is not None else False
+                if partial is not None and (others or self.allocator.cached[partial]):
+                    shared[partial] += 1
+                    copies.append(sequence)
+            needed = sum(s.blocks_needed(c, size) for s, c in zip(sequences, counts) if c) + len(copies)
+            self.reserve_check(needed)
+            if needed > self.allocator.num_free:
+                self._evict(needed - self.allocator.num_free)
+            if needed > self.allocator.num_free:  # shared semantic blocks did not free as counted
+                raise PoolExhaustedError(needed, self.allocator.num_free, self.num_blocks)
+            take = self.allocator.take
+            for sequence in copies:
+                index = sequence.length // size
+                (fresh,) = take(1, after=sequence.blocks[index - 1] if index else None)
+                self.copy_block(sequence.blocks[index], fresh)
+                self.decref([sequence.blocks[index]])
+                sequence.blocks[index] = fresh
+            for sequence, count in zip(sequences, counts):
+                missing = sequence.blocks_needed(count, size) if count else 0
+                if missing > 0:
+                    sequence.blocks += take(missing, after=sequence.blocks[-1] if sequence.blocks else None)
+
+    def mark_written(self, slots: np.ndarray) -> None:
+        """Fill levels after a forward writes `slots` (for `tokens_stored`)."""
+        slots = slots[slots >= 0]
+        np.maximum.at(self.allocator.fill, slots // self.block_size, (slots % self.block_size + 1).astype(np.int32))
+
+    # -------------------------------------------------------------- reuse glue
+    def promote(self, digest: bytes, model: str) -> tuple[int, BlockMeta, str] | None:
+        """Bring `digest` back from the host or disk tier into a fresh device block (referenced)."""
+        tier = self.tiers.has(digest)
+        if tier is None or self.num_available() < 1:
+            return None
+        (block,) = self.allocate(1)  # may demote other blocks, and push `digest` further down: ask again
+        meta = self.tiers.promote(digest, model, block, self.block_layers(block))
+        if meta is None:
+            self.decref([block])
+            return None
+        self.allocator.fill[block] = meta.fill
+        return block, meta, tier
+
+    def clear_tenant(self, tenant: str) -> int:
+        """Forget every cached prefix, semantic entry, pin and lower-tier copy of `tenant` (blocks
+        in use stay with their caches but are no longer shared); returns how many device blocks
+        were freed."""
+        with self.locked():
+            before = self.allocator.num_free
+            self.reuse.forget(tenant=tenant)
+            self.tiers.forget(tenant=tenant)
+            return self.allocator.num_free - before
+
+    def forget_model(self, model: str) -> None:
+        """Forget everything computed by the weights with fingerprint `model` (they changed)."""
+        with self.locked():
+            self.reuse.forget(model=model)
+            self.tiers.forget(model=model)
+
+    def probe(self, model: str, tokens, tenant: str = "default") -> dict[str, int]:
+        """Tokens of the longest cached prefix of `tokens` for the model with fingerprint
+        `model` (see `hf_paged_kv.cached_tokens`), by tier."""
+        with self.locked():
+            return self.reuse.probe(model, tenant, np.asarray(tokens, dtype=np.int64), self.tiers.has)
+
+    # -------------------------------------------------------------------- stats
+    def audit(self) -> dict[str, int]:
+        """Check the block bookkeeping; raises PagedKVError on any inconsistency, else returns
+        the counts. Once every request has finished, `references` equals the references of
+        pins and semantic entries: anything more is a leak."""
+        with self.locked():
+            a, index = self.allocator, self.reuse.index
+            held_by_nobody = ~a.free & (a.refcount == 0) & ~a.cached
+            problems = {
+                "negative reference counts": np.flatnonzero(a.refcount < 0),
+                "free blocks with references": np.flatnonzero(a.free & (a.refcount != 0)),
+                "free blocks marked cached": np.flatnonzero(a.free & a.cached),
+                "blocks neither free, referenced nor cached": np.flatnonzero(held_by_nobody),
+                "cached flags that disagree with the index": np.flatnonzero(
+                    a.cached != np.isin(np.arange(self.num_blocks), list(index.metas))),
+            }
+            problems = {name: blocks.tolist()[:10] for name, blocks in problems.items() if len(blocks)}
+            if problems or a.num_free != int(a.free.sum()):
+                raise PagedKVError(f"KVPool bookkeeping is inconsistent: {problems}, "
+                                   f"num_free={a.num_free} vs {int(a.free.sum())} free")
+            return {"blocks_free": a.num_free, "blocks_cached": a.idle_cached(), "blocks_in_use": a.in_use(),
+                    "references": int(a.refcount.sum())} | self.reuse.references()
+
+
     def stats(self) -> dict:
-        """A snapshot of the pool: sizes, occupancy and the high-water mark."""
-        with self._lock:
-            cached = self.index.evictable(self.refcount) if self.is_bound else 0
-            used = self.num_blocks - len(self._free) - cached
-            reuse = dict(self.reuse_counters)
-            hits = reuse["hit_tokens_prefix"] + reuse["hit_tokens_semantic"]
-            reuse["hit_rate"] = hits / reuse["lookup_tokens"] if reuse["lookup_tokens"] else 0.0
-            if self.is_bound:
-                reuse.update(self.index.counters)
-            return reuse | {
+        """A snapshot: sizes, occupancy, high-water mark, reuse counters, pins and tiers."""
+        if not self.is_bound:
+            return {"block_size": self.block_size, "num_blocks": 0}
+        with self.locked():
+            cached = self.allocator.idle_cached()
+            used = self.num_blocks - self.allocator.num_free - cached
+            per_block = self.bytes_per_block
+            return self.reuse.stats() | self.tiers.stats() | {
                 "block_size": self.block_size,
                 "num_blocks": self.num_blocks,
-                "blocks_free": len(self._free),
+                "blocks_free": self.allocator.num_free,
                 "blocks_used": used,
                 "blocks_cached": cached,
-                "blocks_used_high_water": self.high_water,
-                "bytes_per_block": self.bytes_per_block if self.is_bound else 0,
-                "bytes_total": self.num_blocks * self.bytes_per_block if self.is_bound else 0,
-                "bytes_used": used * self.bytes_per_block if self.is_bound else 0,
-                "tokens_stored": int(self.fill.sum()) if self.is_bound else 0,
-            } | (self.pins.stats() if self.is_bound else {}) | self._host_stats()
-
-    def _host_stats(self) -> dict:
-        stats = {}
-        if self.host is not None:
-            stats |= {"host_blocks": self.host.num_blocks, "host_blocks_used": self.host.used(),
-                      "host_bytes_used": self.host.used() * self.host.bytes_per_block()} | self.host.counters
-        if self.disk is not None:
-            stats |= {"disk_blocks": len(self.disk.catalog), "disk_bytes_used": self.disk.used_bytes(),
-                      "disk_bytes_budget": self.disk.max_bytes} | self.disk.counters
-        return stats
+                "blocks_used_high_water": self.allocator.high_water,
+                "bytes_per_block": per_block,
+                "bytes_total": self.num_blocks * per_block,
+                "bytes_used": used * per_block,
+                "tokens_stored": int(self.allocator.fill.sum()),
+            }
 
     def __repr__(self) -> str:
         if not self.is_bound:
             return f"KVPool(block_size={self.block_size}, unbound)"
-        return (
-            f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-            f"free={len(self._free)}, layers={len(self.layers)}, dtype={self.dtype})"
-        )
-
-
-def _host_memory() -> int:
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return (f"KVPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"free={self.allocator.num_free}, layers={len(self.layers)}, dtype={self.dtype})")

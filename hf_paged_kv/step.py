@@ -1,60 +1,107 @@
-"""Per-forward metadata shared by the cache (which writes KV) and the attention backend (which reads it).
+"""StepPlan: what one forward writes into the pool and reads from it, the same for every layer.
 
-transformers calls `cache.update(k, v, layer_idx)` and then the attention function, which does
-not receive the cache. The forward pre-hook builds one `StepPlan` per forward; `update` makes it
-the active plan of the calling thread, and the attention function picks it up from there.
+The planner (`planner.py`) builds one plan per forward on the host. Each attention layer then
+calls the backend twice with it: `write` stores the layer's new K/V at `slot_mapping`, and
+`attention` reads every sequence's keys through `block_tables`. transformers' attention function
+does not receive the cache, so the plan travels to it through `activate`, a per-thread context
+that the integration opens around the model's forward and the serving engine around its own.
+
+Queries are numbered in the order the model sees them, flattened: `[B, T]` row-major. Each
+sequence's queries are contiguous: sequence `s` owns queries `q_start[s]:q_start[s+1]`. A
+`generate` batch has one sequence per row (`q_start = 0, T, 2T, ...`); the engine packs many
+sequences into one row.
 """
 
 from __future__ import annotations
 
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
-
-from .pool import KVPool
 
 _local = threading.local()
 
 
 @dataclass
 class StepPlan:
-    """Everything one forward needs to write and read paged KV, built once for all layers.
+    """Host arrays describing one forward (converted to tensors on demand by `on`).
 
-    Shapes: `B` rows, `T` new positions per row (padding included).
-    - `write_src` / `write_dst`: flat index into the `B*T` new tokens and the pool slot each real
-      token goes to (`block * block_size + offset`); pad tokens and rows that share another row's
-      prompt have no entry. `slot_mapping` `[B, T]` says the same with -1 for "no write".
-    - `block_tables`: int32 `[B, max_blocks]`, -1 past each row's blocks.
-    - `kv_lens`: int32 `[B]`, physical tokens per row after this forward.
-    - `q_pos`: int64 `[B, T]`, physical position of each query; pad queries get 0 (they attend to
-      the first key only, so their garbage output stays finite and is never read).
+    - `slot_mapping` int64 `[Q]`: pool slot (`block * block_size + offset`) each query's K/V is
+      written to; -1 for none (pads, tokens already stored, rows sharing another row's blocks).
+    - `q_start` int64 `[S + 1]`: query offsets of each sequence.
+    - `q_pos` int64 `[Q]`: the last stored position each query may see (causal, in stored
+      positions); -1 for a query that sees nothing (a pad before any real token).
+    - `block_tables` int32 `[S, max_blocks]`, -1 past each sequence's blocks.
+    - `kv_lens` int32 `[S]`: stored tokens of each sequence after this forward.
+    - `contiguous` int64 `[S]`: first block of a sequence whose keys lie in one run of
+      consecutive blocks (the torch backend reads them as a view), else -1.
+    - `q_logical` int64 `[Q]` / `k_logical` int64 `[S, max_kv_len]`: logical positions (pads
+      counted) of queries and stored keys; only set when they are not stored positions plus a
+      constant (right padding, holes), because sliding windows count logical positions.
     """
 
-    pool: KVPool
-    write_src: torch.Tensor
-    write_dst: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    kv_lens: torch.Tensor
-    q_pos: torch.Tensor
-    max_kv_len: int
-    uniform: bool  # every row real at every position and of the same length: no mask needed
-    skip: int = 0  # leading input columns the forward may drop: every row has them cached or padded
-    backend: str = "torch"  # set by the model's hook: which kernels read this plan
-    memo: dict = field(default_factory=dict)  # per-device copies and backend scratch
+    batch_shape: tuple[int, int]
+    slot_mapping: np.ndarray
+    q_start: np.ndarray
+    q_pos: np.ndarray
+    block_tables: np.ndarray
+    kv_lens: np.ndarray
+    contiguous: np.ndarray
+    block_size: int
+    q_logical: np.ndarray | None = None
+    k_logical: np.ndarray | None = None
+    skip: int = 0  # leading input columns the forward drops: every row has them stored or padded
+    logical_length: int = 0  # logical positions after this forward (pads counted)
+    memo: dict = field(default_factory=dict)  # tensors per device, backend scratch
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.kv_lens)
+
+    @property
+    def max_kv_len(self) -> int:
+        return int(self.kv_lens.max()) if len(self.kv_lens) else 0
+
+    @property
+    def query_counts(self) -> np.ndarray:
+        return np.diff(self.q_start)
+
+    @property
+    def decode_only(self) -> bool:
+        """One query per sequence, each seeing its whole sequence (plain decoding)."""
+        counts = self.query_counts
+        return bool((counts == 1).all()) and bool((self.q_pos == self.kv_lens.astype(np.int64) - 1).all())
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
-        """`getattr(self, name)` moved to `device`, copied once per forward."""
+        """Field `name` as a tensor on `device`, copied once per forward."""
         key = (name, device)
         if key not in self.memo:
-            self.memo[key] = getattr(self, name).to(device, non_blocking=True)
+            self.memo[key] = torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device, non_blocking=True)
         return self.memo[key]
 
 
-def set_active(plan: StepPlan | None) -> None:
-    _local.plan = plan
+@dataclass
+class Step:
+    """The forward in progress on this thread: its plan, the backend that runs it, and whether
+    the caller asked for attention weights."""
+
+    plan: StepPlan
+    backend: object
+    need_weights: bool = False
 
 
-def active() -> StepPlan | None:
-    return getattr(_local, "plan", None)
+@contextmanager
+def activate(plan: StepPlan, backend, need_weights: bool = False):
+    """Make `plan` the active plan of this thread for the duration of one forward."""
+    previous = getattr(_local, "step", None)
+    _local.step = Step(plan, backend, need_weights)
+    try:
+        yield _local.step
+    finally:
+        _local.step = previous
+
+
+def current() -> Step | None:
+    return getattr(_local, "step", None)

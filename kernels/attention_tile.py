@@ -28,14 +28,19 @@ def load_kv_tile(
 
 
 @triton.jit
-def online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IS_FP32: tl.constexpr):
+def online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IS_FP32: tl.constexpr, SOFTCAP: tl.constexpr):
     """Fold the keys `k`/values `v` that `visible` allows into the running max `m_i`, sum
-    `l_i` and accumulator `acc` (all fp32). Rows with nothing visible so far stay at zero."""
+    `l_i` and accumulator `acc` (all fp32). Rows with nothing visible so far stay at zero.
+    With `SOFTCAP` > 0, scores become `SOFTCAP * tanh(score / SOFTCAP)` first (Gemma-2); a
+    constexpr, so models without soft-capping compile exactly as before."""
     if IS_FP32:  # fp32 must not drop to tf32 on the GPU
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
-    scores = tl.where(visible, scores * scale, float("-inf"))
+    scores = scores * scale
+    if SOFTCAP > 0:  # tanh(x) = 2 * sigmoid(2x) - 1: tl has no tanh on every release
+        scores = SOFTCAP * (2.0 * tl.sigmoid(2.0 * scores / SOFTCAP) - 1.0)
+    scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - m_safe[:, None])

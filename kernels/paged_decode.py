@@ -30,7 +30,7 @@ def _decode_split_kernel(
     s_cb, s_cs, s_ch, s_cd,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    UPCAST: tl.constexpr, IS_FP32: tl.constexpr,
+    UPCAST: tl.constexpr, IS_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -63,7 +63,7 @@ def _decode_split_kernel(
             key_cache, value_cache, block_tables + row * max_blocks, tokens, tokens < end, kv_head, dims, dim_ok,
             s_cb, s_cs, s_ch, s_cd, BLOCK_SIZE, UPCAST,
         )
-        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc, IS_FP32)
+        m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc, IS_FP32, SOFTCAP)
 
     found = l_i > 0
     out = acc / tl.where(found, l_i, 1.0)[:, None]
@@ -106,24 +106,27 @@ def choose_splits(batch: int, kv_heads: int, max_kv_len: int, device: torch.devi
 
 
 def paged_decode(
-    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, num_splits=None, out=None
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, num_splits=None, out=None,
+    softcap=None,
 ):
     """Decode attention. `query` `[B, heads, head_dim]`, `q_pos` `[B]`; returns `[B, heads, head_dim]`.
 
     Semantics are those of `reference.paged_attention` with one query per row; a row without
-    any visible key gets zeros. `out` may be given (tests pass a poisoned buffer).
+    any visible key gets zeros. `out` may be given (tests pass a poisoned buffer). Pass
+    `num_splits` (`choose_splits` with the host's longest row): without it the split count is
+    read from `kv_lens`, a wait for the GPU.
     """
     check_device(query)
     out = torch.empty_like(query) if out is None else out
     for launch in decode_launches(
-        query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out
+        query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out, softcap
     ):
         launch.run()
     return out
 
 
 def decode_launches(
-    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out, softcap=None
 ) -> list[Launch]:
     """The split kernel and the merge kernel of one `paged_decode` call, arguments checked."""
     check_inputs(query, key_cache)
@@ -144,12 +147,13 @@ def decode_launches(
         _decode_split_kernel, (batch, kv_heads, num_splits),
         (
             query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
-            partial_out, partial_lse, scale, window or 0, tables.shape[1], *query.stride(), *key_cache.stride(),
+            partial_out, partial_lse, scale, window or 0, tables.shape[1],
+            *query.stride(), *key_cache.stride(),
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=tile, NUM_SPLITS=num_splits,
-            **dtype_flags(query.dtype),
+            SOFTCAP=float(softcap or 0.0), **dtype_flags(query.dtype),
         ),
     )
     merge = Launch(

@@ -3,7 +3,7 @@ and themselves.
 
 Grid `(batch, heads, query tiles)`. Queries arrive as transformers gives them, `[B, heads, T,
 head_dim]`, with `q_pos[b, t]` the physical position of each one, so rows may differ in both
-prefix length and number of new tokens (varlen; pad queries carry position 0). Each program
+prefix length and number of new tokens (varlen; a query at position -1 sees nothing). Each program
 walks the keys its tile can see, `TILE` tokens at a time gathered through the block table, with
 an online softmax in fp32.
 """
@@ -31,7 +31,7 @@ def _prefill_kernel(
     s_cb, s_cs, s_ch, s_cd,
     s_ob, s_oh, s_ot, s_od,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr, IS_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr, IS_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -63,7 +63,7 @@ def _prefill_kernel(
         )
         visible = valid[None, :] & (tokens[None, :] <= positions[:, None])
         visible = visible & ((window <= 0) | (tokens[None, :] > positions[:, None] - window))
-        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IS_FP32)
+        m_i, l_i, acc = online_softmax_step(q, k, v, visible, scale, m_i, l_i, acc, IS_FP32, SOFTCAP)
 
     result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(
@@ -73,7 +73,8 @@ def _prefill_kernel(
     )
 
 
-def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, out=None):
+def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, out=None,
+                  softcap=None):
     """Prefill attention. `query` `[B, heads, T, head_dim]`, `q_pos` `[B, T]`; returns the query's shape.
 
     Semantics are those of `reference.paged_attention`; a query without any visible key gets zeros.
@@ -81,11 +82,12 @@ def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, s
     """
     check_device(query)
     out = torch.empty_like(query) if out is None else out
-    prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out).run()
+    prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out, softcap).run()
     return out
 
 
-def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out) -> Launch:
+def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out,
+                   softcap=None) -> Launch:
     """The kernel launch of one `paged_prefill` call, arguments checked."""
     check_inputs(query, key_cache)
     batch, heads, new, head_dim = query.shape
@@ -98,11 +100,12 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
         _prefill_kernel, (batch, heads, triton.cdiv(new, BLOCK_M)),
         (
             query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(), out,
-            scale, window or 0, new, tables.shape[1], *query.stride(), *key_cache.stride(), *out.stride(),
+            scale, window or 0, new, tables.shape[1],
+            *query.stride(), *key_cache.stride(), *out.stride(),
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-            BLOCK_M=BLOCK_M, TILE=tile,
+            BLOCK_M=BLOCK_M, TILE=tile, SOFTCAP=float(softcap or 0.0),
             **dtype_flags(query.dtype),
         ),
     )

@@ -1,12 +1,14 @@
-"""Torch reference kernels: gather the paged KV into a padded batch, then `scaled_dot_product_attention`.
-
-These define the semantics the Triton kernels must reproduce:
+"""Torch reference kernels: the semantics every backend must reproduce, and the building blocks of
+the torch backend (so the CPU production path is this tested reference).
 
 - `write_kv`: token `i` of `key`/`value` goes to pool slot `slot_mapping[i]`
-  (`block * block_size + offset`); a negative slot means "skip" (pad tokens).
-- `paged_attention`: query position `q_pos[b, t]` of row `b` attends to that row's keys
-  `0..q_pos[b, t]` (causal, physical positions) that are `< kv_lens[b]`, and with a sliding
-  `window`, only to keys `k > q_pos - window`.
+  (`block * block_size + offset`); a negative slot means "skip" (pads, stored tokens).
+- `paged_attention`: query `t` of row `b` attends to that row's stored keys `0..q_pos[b, t]`
+  that are `< kv_lens[b]` (causal in stored positions); `q_pos = -1` sees nothing and gives
+  zeros. With a sliding `window`, only keys less than `window` positions back are seen,
+  counted in logical positions (pads included) when `q_logical`/`k_logical` are given, as
+  transformers counts them, else in stored positions. With `softcap`, scores pass through
+  `softcap * tanh(score / softcap)` before the softmax (Gemma-2).
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ import torch.nn.functional as F
 
 def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
     """Scatter `key`/`value` `[N, kv_heads, head_dim]` into the pool at `slot_mapping` `[N]`."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    keep = torch.nonzero(slot_mapping >= 0).flatten()
+    store_kv(key_cache, value_cache, key.index_select(0, keep), value.index_select(0, keep), slot_mapping[keep])
+
+
+def store_kv(key_cache, value_cache, key, value, slots) -> None:
+    """`key`/`value` `[N, kv_heads, head_dim]` into pool `slots` `[N]` (all valid)."""
     heads, dim = key_cache.shape[-2:]
-    key_cache.view(-1, heads, dim).index_copy_(0, slots, key[keep].to(key_cache.dtype))
-    value_cache.view(-1, heads, dim).index_copy_(0, slots, value[keep].to(value_cache.dtype))
+    slots = slots.long()
+    key_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(key_cache.dtype))
+    value_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(value_cache.dtype))
 
 
 def gather_slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
@@ -31,37 +38,6 @@ def gather_slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> t
     return blocks * block_size + pos % block_size
 
 
-def attention_mask(q_pos, kv_lens, max_len: int, window: int | None = None) -> torch.Tensor:
-    """Boolean `[B, 1, T, max_len]`: which key each query may attend to.
-
-    A row with no key at all still lets its queries see key 0, so that (never read) pad outputs
-    stay finite instead of NaN.
-    """
-    k = torch.arange(max_len, device=q_pos.device)
-    q = q_pos[:, :, None]
-    mask = (k <= q) & (k < kv_lens.clamp_min(1).to(q.device)[:, None, None])
-    if window is not None:
-        mask &= k > q - window
-    return mask[:, None]
-
-
-def paged_attention(
-    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, slots=None, mask=None
-) -> torch.Tensor:
-    """Attention of `query` `[B, heads, T, head_dim]` over the paged KV; returns the same shape.
-
-    `slots` and `mask` may be passed precomputed (they are the same for every layer of a forward).
-    """
-    max_len = int(kv_lens.max()) if kv_lens.numel() else 0
-    block_size = key_cache.shape[1]
-    if slots is None:
-        slots = gather_slots(block_tables, block_size, max(max_len, 1))
-    if mask is None:
-        mask = attention_mask(q_pos, kv_lens, slots.shape[1], window)
-    keys, values = gather(key_cache, slots), gather(value_cache, slots)
-    return sdpa(query, keys.to(query.dtype), values.to(query.dtype), mask, scale)
-
-
 def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Copy the pool slots `[B, L]` of one layer's cache into `[B, kv_heads, L, head_dim]`."""
     kv_heads, dim = cache.shape[-2:]
@@ -69,20 +45,64 @@ def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(*slots.shape, kv_heads, dim).transpose(1, 2)
 
 
+def attention_mask(q_pos, kv_lens, max_len: int, window=None, q_logical=None, k_logical=None) -> torch.Tensor:
+    """Boolean `[B, 1, T, max_len]`: which key each query may attend to (see the module doc)."""
+    k = torch.arange(max_len, device=q_pos.device)
+    q = q_pos[:, :, None]
+    mask = (k <= q) & (k < kv_lens.to(q.device)[:, None, None])
+    if window is not None:
+        if q_logical is not None:
+            mask &= k_logical[:, None, :max_len] > q_logical[:, :, None] - window
+        else:
+            mask &= k > q - window
+    return mask[:, None]
+
+
+def paged_attention(
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, softcap=None
+) -> torch.Tensor:
+    """Attention of `query` `[B, heads, T, head_dim]` over the paged KV; returns the same shape."""
+    max_len = max(int(kv_lens.max()) if kv_lens.numel() else 0, 1)
+    slots = gather_slots(block_tables, key_cache.shape[1], max_len)
+    mask = attention_mask(q_pos, kv_lens, max_len, window)
+    keys, values = gather(key_cache, slots).to(query.dtype), gather(value_cache, slots).to(query.dtype)
+    if softcap:
+        return eager_attention(query, keys, values, mask, scale, softcap)[0]
+    return sdpa(query, keys, values, mask, scale)
+
+
 def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
     """SDPA over grouped-query heads. Native GQA where it is fast (no mask, or the CPU, where it
     is about 3x faster than expanding the KV heads); expanded heads for a mask on an accelerator,
-    where native GQA falls back to the slow math kernel."""
+    where native GQA falls back to the slow math kernel. Queries that see no key get zeros."""
     groups = query.shape[1] // keys.shape[1]
     native = mask is None or query.device.type == "cpu"
     if groups > 1 and not native:
-        keys = _expand_heads(keys, groups)
-        values = _expand_heads(values, groups)
-    return F.scaled_dot_product_attention(
+        keys, values = expand_heads(keys, groups), expand_heads(values, groups)
+    out = F.scaled_dot_product_attention(
         query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=groups > 1 and native
     )
+    if mask is not None and query.device.type != "cpu":  # some kernels give NaN where nothing is visible
+        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return out
 
 
-def _expand_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
+def eager_attention(query, keys, values, mask, scale, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Explicit softmax attention: `(output, weights)`, weights `[B, heads, T, L]` (zeros where
+    a query sees nothing). Used for soft-capped scores and when the weights are asked for."""
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = expand_heads(keys, groups), expand_heads(values, groups)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores.float(), dim=-1).nan_to_num(0.0).to(query.dtype)
+    return torch.matmul(weights, values), weights
+
+
+def expand_heads(states: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return states
     batch, heads, length, dim = states.shape
     return states[:, :, None].expand(batch, heads, groups, length, dim).reshape(batch, heads * groups, length, dim)

@@ -252,9 +252,9 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
     from conftest import make_model
 
     import hf_paged_kv
-    from hf_paged_kv.attention import _STATE_ATTR
+    from hf_paged_kv.integration import state_of
 
     model = make_model("llama").to(DEVICE)
     hf_paged_kv.enable(model)
-    assert getattr(model, _STATE_ATTR).backend == ("triton" if DEVICE == "cuda" else "torch")
+    assert state_of(model).backend.name == ("triton" if DEVICE == "cuda" else "torch")
     hf_paged_kv.disable(model)

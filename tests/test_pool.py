@@ -8,7 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hf_paged_kv import KVPool, PagedKVError, PoolExhaustedError
-from hf_paged_kv.pool import DEFAULT_CPU_BYTES, LayerSpec
+from hf_paged_kv.allocator import BlockAllocator
+from hf_paged_kv.pool import LayerSpec
+from hf_paged_kv.sizing import DEFAULT_CPU_BYTES
 
 CPU = torch.device("cpu")
 
@@ -25,7 +27,7 @@ def test_layout_and_stats():
     assert pool.key_cache[0].shape == (10, 4, 2, 8)
     stats = pool.stats()
     for key in ("block_size", "num_blocks", "blocks_free", "blocks_used", "bytes_per_block", "tokens_stored",
-                "blocks_used_high_water"):
+                "blocks_used_high_water", "bytes_total"):
         assert key in stats
     assert stats["bytes_per_block"] == 3 * 2 * 4 * 2 * 8 * 4
     assert (stats["blocks_free"], stats["blocks_used"]) == (10, 0)
@@ -40,6 +42,14 @@ def test_sizing_by_bytes_and_default():
     default = KVPool()
     default.bind(spec, torch.float32)
     assert default.num_blocks == DEFAULT_CPU_BYTES // per_block
+
+
+@pytest.mark.parametrize("kwargs", [dict(num_blocks=10**15), dict(max_bytes=1 << 62), dict(num_blocks=4, block_size=2**40)])
+def test_sizes_that_cannot_be_allocated_are_refused_before_allocating(kwargs):
+    pool = KVPool(**kwargs)
+    with pytest.raises(PagedKVError, match=r"needs [\d,]+ bytes on cpu, but only [\d,]+ are available"):
+        pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)
+    assert not pool.is_bound
 
 
 def test_rebinding_to_other_shapes_is_refused():
@@ -58,6 +68,25 @@ def test_copy_block_copies_every_layer():
         assert torch.equal(cache[3], cache[7])
 
 
+def test_growing_runs_stay_contiguous():
+    """Sequences that grow one block at a time in turn (a batch decoding in lockstep) each keep
+    one run of consecutive blocks: new runs start in the middle of the largest free stretch."""
+    allocator = BlockAllocator(64)
+    tails = [allocator.take(2) for _ in range(4)]
+    for _ in range(5):
+        for table in tails:
+            table += allocator.take(1, after=table[-1])
+    assert all(t == list(range(t[0], t[0] + len(t))) for t in tails), tails
+
+
+def test_placement_falls_back_to_any_free_block():
+    allocator = BlockAllocator(8)
+    allocator.take(8)
+    allocator.decref([1, 3, 5, 7])
+    assert sorted(allocator.take(3)) == [1, 3, 5]
+    assert allocator.num_free == 1
+
+
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["alloc", "share", "free"]), st.integers(0, 6), st.integers(0, 10**6)),
                 max_size=60))
@@ -72,7 +101,7 @@ def test_allocator_never_leaks_or_double_frees(ops):
                     pool.allocate(n)
                 assert pool.num_free() == free_before  # nothing half-taken
             else:
-                ids = pool.allocate(n)
+                ids = pool.allocate(n, after=held[pick % len(held)] if held else None)
                 assert len(set(ids)) == n and not set(ids) & set(held)
                 held += ids
         elif op == "share" and held:
@@ -86,11 +115,8 @@ def test_allocator_never_leaks_or_double_frees(ops):
                 with pytest.raises(PagedKVError, match="double free"):
                     pool.decref([block])
         # invariants after every step
-        counts = {b: held.count(b) for b in set(held)}
-        assert all(pool.refcount[b] == c for b, c in counts.items())
-        assert pool.refcount.sum() == len(held)
-        assert pool.num_free() + len(counts) == pool.num_blocks
-        assert len(set(pool._free)) == len(pool._free)
-        assert not set(pool._free) & set(counts)
+        report = pool.audit()
+        assert report["references"] == len(held)
+        assert report["blocks_free"] + len(set(held)) == pool.num_blocks
     pool.decref(held)
-    assert pool.num_free() == pool.num_blocks and not pool.refcount.any()
+    assert pool.num_free() == pool.num_blocks and pool.audit()["references"] == 0

@@ -75,7 +75,7 @@ def test_similar_text_with_different_tokens_is_rejected(setup, tokenizer):
     assert cached[0, 0] != similar[0, 0]
     with PagedCache() as cache:
         generate(model, cached, cache)
-    score = float(pool.semantic._vectors[0] @ pool.semantic.embed(similar[0]))
+    score = float(pool.semantic.embed(cached[0]) @ pool.semantic.embed(similar[0]))
     assert score > 0.5  # it is a candidate ...
     expected = generate(model, similar, DynamicCache())
     with PagedCache() as cache:
@@ -88,13 +88,23 @@ def test_similar_text_with_different_tokens_is_rejected(setup, tokenizer):
 
 
 def test_other_tenants_entries_are_never_candidates(setup, tokenizer):
+    """Another tenant's similar (even identical) prompts are never proposed, never counted, and
+    never crowd out the tenant's own candidates."""
     model, pool = setup
-    prompt = encode(tokenizer, DOCUMENT + " What did he carry?")
+    own = encode(tokenizer, DOCUMENT + " What did he carry?")
     with PagedCache(tenant="acme") as cache:
-        generate(model, prompt, cache)
-    with PagedCache(tenant="globex") as cache:
-        generate(model, prompt, cache)
-    assert pool.stats()["hit_tokens_semantic"] == 0 and pool.stats()["hit_tokens_prefix"] == 0
+        generate(model, own, cache)
+    for question in (" Why did he count?", " Where was the lens?", " What did he carry?", " Who was he?"):
+        with PagedCache(tenant="globex") as cache:  # four similar prompts of another tenant
+            generate(model, encode(tokenizer, DOCUMENT + question), cache)
+    stats = pool.stats()
+    assert stats["semantic_candidates"] == 0 + 1 + 2 + 3  # each globex request: globex's earlier entries only
+    with PagedCache(tenant="acme") as cache:
+        generate(model, encode(tokenizer, DOCUMENT + " Why did he count the steps?"), cache)
+    after = pool.stats()
+    assert after["semantic_candidates"] - stats["semantic_candidates"] == 1  # acme's one entry, nothing else
+    assert after["hit_tokens_semantic"] > stats["hit_tokens_semantic"]  # and it is still found
+    assert_semantic_clean(pool)
 
 
 def test_entries_whose_blocks_were_evicted_fail_verification(setup, tokenizer):
@@ -112,8 +122,8 @@ def test_entries_whose_blocks_were_evicted_fail_verification(setup, tokenizer):
 
 def assert_semantic_clean(pool):
     """Every block is free, cached by the prefix index, or held by exactly one semantic entry."""
+    report = pool.audit()
     held = {e.held for e in pool.semantic.entries if e.held is not None}
-    assert all(pool.refcount[b] == 1 for b in held)
-    assert all(pool.refcount[b] == 0 for b in range(pool.num_blocks) if b not in held)
+    assert report["references"] == report["references_by_semantic"] == len(held)
     stats = pool.stats()
     assert stats["blocks_free"] + stats["blocks_cached"] + len(held) == stats["num_blocks"]

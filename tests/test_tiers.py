@@ -30,14 +30,25 @@ def disabled(model):
     hf_paged_kv.disable(model)
 
 
-def request(model, prompt, new_tokens=4):
-    cache = PagedCache()
-    plans = []
-    original = cache.begin_forward
-    cache.begin_forward = lambda *a: plans.append(original(*a)) or plans[-1]
-    out = greedy(model, cache, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=new_tokens)
-    cache.release()
-    return plans[0].skip, out
+def request(model, prompt, new_tokens=4, blocks=0):
+    """Generate for one prompt; returns the tokens it inherited, its output (and with `blocks`,
+    the ids of its first blocks, read while the cache was alive)."""
+    with PagedCache() as cache:
+        out = greedy(model, cache, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=new_tokens)
+        held = cache.block_tables()[0][:blocks]
+        inherited = cache.inherited[0]
+    return (inherited, out, held) if blocks else (inherited, out)
+
+
+def block_file(directory, depth):
+    """The disk tier's file of the block at `depth` (read from the documented safetensors metadata)."""
+    from safetensors import safe_open
+
+    for path in directory.glob("*.kvblock"):
+        with safe_open(str(path), framework="pt") as f:
+            if f.metadata()["depth"] == str(depth):
+                return path
+    raise FileNotFoundError(depth)
 
 
 def snapshot(pool, blocks):
@@ -47,28 +58,22 @@ def snapshot(pool, blocks):
 def test_demoted_blocks_come_back_bit_exact(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=16))
     system = tokens(40, 1)
-    request(model, system)
-    digests = [d for d, _ in pool.index.digest_pairs("default", system, 5)]
-    blocks = [pool.index.by_digest[d] for d in digests]
+    _, _, blocks = request(model, system, blocks=5)
     before = snapshot(pool, blocks)
     taken = pool.allocate(pool.num_available())  # pressure: every cached block leaves the device
-    assert not any(d in pool.index.by_digest for d in digests)
-    assert all(d in pool.host.by_digest for d in digests)
-    for digest, original in zip(digests, before):  # device -> host is bit-exact
-        slot = pool.host.by_digest[digest]
-        assert torch.equal(torch.stack([t[slot] for t in pool.host.keys + pool.host.values]), original)
+    assert hf_paged_kv.cached_tokens(model, system) == {"device": 0, "host": 40, "disk": 0}
     pool.decref(taken)
     prompt = torch.cat([system, tokens(6, 2)])
-    skipped, out = request(model, prompt)
+    skipped, out, promoted = request(model, prompt, blocks=5)
     assert skipped == 40
-    promoted = [pool.index.by_digest[d] for d in digests]
-    for now, original in zip(snapshot(pool, promoted), before):  # host -> device is bit-exact
+    for now, original in zip(snapshot(pool, promoted), before):  # device -> host -> device is bit-exact
         assert torch.equal(now, original)
     hf_paged_kv.disable(model)
     expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 46, dtype=torch.long), new_tokens=4)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     stats = pool.stats()
     assert stats["promotions"] == 5 and stats["demotions"] >= 5 and stats["copy_bytes"] > 0
+    assert stats["hit_tokens_host"] == 40
     assert_pool_clean(pool)
 
 
@@ -86,9 +91,8 @@ def test_pinned_blocks_are_never_demoted(model):
     pin = hf_paged_kv.pin(model, tokens(40, 3))
     request(model, tokens(40, 4))
     pool.decref(pool.allocate(pool.num_available()))
-    pinned_digests = [pool.index.blocks[b].digest for b in pin.blocks]
-    assert not any(d in pool.host.by_digest for d in pinned_digests)
-    assert all(pool.index.is_cached(b) for b in pin.blocks)
+    assert hf_paged_kv.cached_tokens(model, tokens(40, 3)) == {"device": 40, "host": 0, "disk": 0}
+    assert hf_paged_kv.cached_tokens(model, tokens(40, 4))["host"] == 40  # the unpinned one was demoted
     hf_paged_kv.unpin(model, pin)
 
 
@@ -103,8 +107,8 @@ def test_tier_budgets_hold_under_random_workloads(model, workload):
         skipped, out = request(model, prompt, new_tokens=2)
         expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=2)
         torch.testing.assert_close(out, expected, rtol=0, atol=0)  # whatever tier the prefix came from
-        assert pool.host.used() <= 6
         stats = pool.stats()
+        assert stats["host_blocks_used"] <= 6
         assert stats["blocks_free"] + stats["blocks_cached"] + stats["blocks_used"] == 20
         assert skipped % BLOCK == 0 and skipped < len(prompt)
     assert_pool_clean(pool)
@@ -114,16 +118,15 @@ def test_tier_budgets_hold_under_random_workloads(model, workload):
 def test_disk_round_trip_is_bit_exact(model, tmp_path):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
     system = tokens(40, 5)
-    request(model, system)
-    digests = [d for d, _ in pool.index.digest_pairs("default", system, 5)]
-    before = snapshot(pool, [pool.index.by_digest[d] for d in digests])
+    _, _, blocks = request(model, system, blocks=5)
+    before = snapshot(pool, blocks)
     pool.decref(pool.allocate(pool.num_available()))  # no host tier: device -> disk
     assert len(list(tmp_path.glob("*.kvblock"))) >= 5
-    skipped, _ = request(model, torch.cat([system, tokens(6, 6)]))
+    skipped, _, promoted = request(model, torch.cat([system, tokens(6, 6)]), blocks=5)
     assert skipped == 40
-    for now, original in zip(snapshot(pool, [pool.index.by_digest[d] for d in digests]), before):
+    for now, original in zip(snapshot(pool, promoted), before):
         assert torch.equal(now, original)
-    assert pool.stats()["disk_hits"] == 5
+    assert pool.stats()["disk_hits"] == 5 and pool.stats()["hit_tokens_disk"] == 40
 
 
 def test_restarted_process_reuses_persisted_prefix(tmp_path):
@@ -149,8 +152,7 @@ def test_damaged_or_foreign_disk_files_are_rejected(tmp_path, damage):
     system = tokens(40, 9)
     hf_paged_kv.enable(writer, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
     hf_paged_kv.persist(writer, system)
-    files = sorted(tmp_path.glob("*.kvblock"), key=lambda p: p.stat().st_mtime)
-    victim = files[2]  # the third block of the prefix
+    victim = block_file(tmp_path, depth=2)  # the third block of the prefix
     data = bytearray(victim.read_bytes())
     if damage == "flip":
         data[-100] ^= 0xFF
@@ -177,7 +179,7 @@ def test_disk_budget_holds(model, tmp_path):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path, disk_bytes=budget))
     for seed in range(11, 15):
         hf_paged_kv.persist(model, tokens(40, seed))
-        assert pool.disk.used_bytes() <= budget
+        assert pool.stats()["disk_bytes_used"] <= budget
     stats = pool.stats()
     assert stats["disk_drops"] > 0 and stats["disk_bytes_used"] <= budget
     assert len(list(tmp_path.glob("*.kvblock"))) == stats["disk_blocks"]

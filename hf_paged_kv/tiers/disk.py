@@ -4,13 +4,18 @@
     >>> hf_paged_kv.persist(model, system_prompt, tokenizer)   # write a prefix now, explicitly
 
 Blocks reach the disk when they fall out of the host tier (or out of the device pool when there
-is no host tier), or by `persist`. One file per block, named by its digest: a JSON header (format
-tag, model fingerprint, digest, tenant, depth, fill, access weight and time, layer shapes and
-dtype, BLAKE2b checksum of the payload) and the payload, the block's K and V of every layer.
-Files are written to a temporary name and renamed, so a crash never leaves a half-written block
-under a real name. A file whose format, fingerprint, digest, shapes or checksum do not match is
-ignored with a warning (never loaded) and counted in `disk_rejects`. Digests already include
-the tenant, so a tenant can only ever find its own (or published) blocks.
+is no host tier), or by `persist`. One safetensors file per block, named by its digest: the
+block's K and V of every layer, and string metadata (format, model fingerprint, digest, tenant,
+depth, fill, decayed access weight and wall-clock time, priority) with a BLAKE2b checksum over
+the metadata and every tensor's bytes. Files are written to a temporary name and renamed, so a
+crash never leaves a half-written block under a real name. A file that fails any check – its
+header does not parse, a field is missing or damaged, the shapes, dtype, model or digest differ,
+the checksum does not match – is ignored with a warning (never loaded, never fatal) and counted
+in `disk_rejects`. Digests include the tenant, so a tenant only ever finds its own (or
+published) blocks.
+
+A write that fails (permissions, a full or read-only file system) drops the block cleanly: the
+pool stays consistent, the error is warned once and counted in `disk_write_errors`.
 
 The directory has a byte budget; when a write exceeds it, the files of lowest value go first
 (the same value as in memory, with wall-clock times, which survive restarts).
@@ -23,144 +28,169 @@ import json
 import os
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 
-from ..reuse.prefix_index import block_value
+from ..policy import BlockMeta, Policy
 
-FORMAT = "hf_paged_kv-block/1"
+FORMAT = "hf_paged_kv-block/2"
 SUFFIX = ".kvblock"
-
-
-@dataclass
-class DiskEntry:
-    path: Path
-    size: int
-    tenant: str
-    depth: int
-    weight: float
-    last_access: float  # wall-clock seconds
-    priority: int = 0
+FIELDS = ("format", "model", "digest", "tenant", "depth", "fill", "weight", "written", "priority")
 
 
 class DiskTier:
     """A directory of block files with an in-memory catalogue. Calls happen under the pool's lock."""
 
-    def __init__(self, pool, directory, max_bytes: int):
-        if max_bytes < 1:
-            raise ValueError(f"disk_bytes must be >= 1, got {max_bytes}")
-        self.pool = pool
+    def __init__(self, directory, max_bytes: int, block_shapes: list[tuple[int, ...]], dtype: torch.dtype,
+                 policy: Policy, model: str):
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.block_shapes, self.dtype, self.policy = [tuple(s) for s in block_shapes], dtype, policy
         self.max_bytes = max_bytes
-        self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops"), 0)
-        self.catalog: dict[bytes, DiskEntry] = {}
-        for path in self.directory.glob("*" + SUFFIX):
-            header = self._read_header(path)
-            if header is not None:
-                self.catalog[bytes.fromhex(header["digest"])] = DiskEntry(
-                    path, path.stat().st_size, header["tenant"], header["depth"], header["weight"],
-                    header["last_access"], header.get("priority", 0))
+        self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops", "disk_write_errors"), 0)
+        self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta in wall time)
+        self.warned_write = False
+        file_bytes = 2 * sum(torch.Size(s).numel() for s in self.block_shapes) * torch.empty((), dtype=dtype).element_size()
+        if max_bytes < file_bytes:
+            raise ValueError(f"disk_bytes={max_bytes} cannot hold one block file of about {file_bytes} bytes; "
+                             "raise disk_bytes (or leave disk_dir unset)")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for path in sorted(self.directory.glob("*" + SUFFIX)):
+            meta = self._read(path, model, tensors=False)
+            if meta is not None:
+                self.catalog[meta.digest] = (path, path.stat().st_size, meta)
 
-    # --------------------------------------------------------------- write
-    def write(self, digest: bytes, tenant: str, depth: int, weight: float, fill: int, layers,
-              priority: int = 0) -> None:
-        """Store one block given as `(key, value)` CPU or device tensors per layer."""
-        if digest in self.catalog:
-            return
-        payload = b"".join(t.detach().cpu().contiguous().numpy().tobytes() for pair in layers for t in pair)
-        header = {
-            "format": FORMAT, "fingerprint": self.pool.fingerprint, "digest": digest.hex(), "tenant": tenant,
-            "depth": depth, "fill": fill, "weight": weight, "last_access": time.time(), "priority": priority,
-            "shapes": [list(t.shape) for pair in layers for t in pair], "dtype": str(self.pool.dtype),
-            "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest(),
-        }
-        raw = json.dumps(header).encode()
-        path = self.directory / (digest.hex() + SUFFIX)
+    # ---------------------------------------------------------------- write
+    def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        """Store one block (`(key, value)` per layer, any device); False if the write failed."""
+        if meta.digest in self.catalog:
+            return True
+        now = self.policy.now()
+        weight = meta.weight_at(now, self.policy.half_life)
+        tensors = {f"{kind}.{i}": t.detach().to("cpu").contiguous()
+                   for i, pair in enumerate(layers) for kind, t in zip("kv", pair)}
+        header = {"format": FORMAT, "model": meta.model, "digest": meta.digest.hex(), "tenant": meta.tenant,
+                  "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(weight),
+                  "written": repr(time.time()), "priority": str(meta.priority)}
+        header["checksum"] = _checksum(header, tensors)
+        path = self.directory / (meta.digest.hex() + SUFFIX)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-        with open(partial, "wb") as f:
-            f.write(len(raw).to_bytes(8, "little") + raw + payload)
-        os.replace(partial, path)
-        self.catalog[digest] = DiskEntry(path, path.stat().st_size, tenant, depth, weight, header["last_access"],
-                                         priority)
+        try:
+            save_file(tensors, partial, metadata=header)
+            os.replace(partial, path)
+        except OSError as error:
+            self._write_failed(partial, error)
+            return False
+        wall = replace(meta, weight=weight, last_access=float(header["written"]))
+        self.catalog[meta.digest] = (path, path.stat().st_size, wall)
         self.counters["disk_writes"] += 1
-        self._enforce_budget(keep=digest)
+        self._enforce_budget(keep=meta.digest)
+        return True
 
-    # ---------------------------------------------------------------- read
+    def _write_failed(self, partial: Path, error: OSError) -> None:
+        try:
+            partial.unlink(missing_ok=True)
+        except OSError:
+            pass  # the directory itself is unwritable: nothing was left behind
+        self.counters["disk_write_errors"] += 1
+        if not self.warned_write:
+            self.warned_write = True
+            warnings.warn(f"hf_paged_kv disk tier: cannot write to {self.directory} ({error}); blocks that would "
+                          "go to disk are dropped instead (counted in disk_write_errors)", stacklevel=4)
+
+    # ----------------------------------------------------------------- read
     def contains(self, digest: bytes) -> bool:
         return digest in self.catalog
 
-    def load(self, digest: bytes, block: int) -> DiskEntry | None:
-        """Copy the file of `digest` into device `block`; None (with a warning) if it fails checks."""
+    def load(self, digest: bytes, model: str, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> BlockMeta | None:
+        """Copy the file of `digest` into a device block (`layers`: its `(key, value)` views).
+        Returns the block's metadata (weight decayed to now, on the policy's clock), or None
+        (with a warning) if the file fails any check."""
         entry = self.catalog.get(digest)
         if entry is None:
             return None
-        try:
-            data = entry.path.read_bytes()
-            size = int.from_bytes(data[:8], "little")
-            header = json.loads(data[8 : 8 + size])
-            payload = data[8 + size :]
-            self._check(header, digest, payload, entry.path)
-        except (OSError, ValueError, KeyError) as error:
-            self._reject(digest, f"{entry.path.name}: {error}")
+        path, _, _ = entry
+        loaded = self._read(path, model, tensors=True, digest=digest)
+        if loaded is None:
+            self.catalog.pop(digest, None)
             return None
-        offset = 0
-        for device in (t for pair in zip(self.pool.key_cache, self.pool.value_cache) for t in pair):
-            target = device[block]
-            count = target.numel() * target.element_size()
-            array = np.frombuffer(payload, dtype=np.uint8, count=count, offset=offset)
-            target.copy_(torch.from_numpy(array.copy()).view(target.dtype).view(target.shape))
-            offset += count
-        self.pool.fill[block] = header["fill"]
-        entry.last_access = time.time()
+        meta, tensors = loaded
+        for i, (key, value) in enumerate(layers):
+            key.copy_(tensors[f"k.{i}"])
+            value.copy_(tensors[f"v.{i}"])
         self.counters["disk_hits"] += 1
-        return entry
+        age = max(0.0, time.time() - meta.last_access)
+        now = self.policy.now()
+        expires = None if self.policy.ttl is None else now + self.policy.ttl
+        return replace(meta, weight=meta.weight * 0.5 ** (age / self.policy.half_life), last_access=now, expires=expires)
 
-    def used_bytes(self) -> int:
-        return sum(e.size for e in self.catalog.values())
-
-    # ------------------------------------------------------------- helpers
-    def _check(self, header: dict, digest: bytes, payload: bytes, path: Path) -> None:
-        if header.get("format") != FORMAT:
-            raise ValueError(f"unknown format {header.get('format')!r}")
-        if header["fingerprint"] != self.pool.fingerprint:
-            raise ValueError("written by another model (fingerprint differs)")
-        if header["digest"] != digest.hex():
-            raise ValueError("digest in the header does not match the file name")
-        expected = [[self.pool.block_size, s.num_kv_heads, s.head_dim] for s in self.pool.layers for _ in range(2)]
-        if header["shapes"] != expected or header["dtype"] != str(self.pool.dtype):
-            raise ValueError("block shapes or dtype differ from this pool")
-        if hashlib.blake2b(payload, digest_size=16).hexdigest() != header["checksum"]:
-            raise ValueError("checksum mismatch (corrupted or truncated)")
-
-    def _read_header(self, path: Path) -> dict | None:
+    def _read(self, path: Path, model: str, tensors: bool, digest: bytes | None = None):
+        """The file's metadata (and tensors), or None after a warning when any check fails."""
         try:
-            with open(path, "rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            if header.get("format") != FORMAT:
-                raise ValueError(f"unknown format {header.get('format')!r}")
-            if header.get("fingerprint") != self.pool.fingerprint:
-                raise ValueError("written by another model (fingerprint differs)")
-            return header
-        except (OSError, ValueError) as error:
-            warnings.warn(f"hf_paged_kv disk tier: ignoring unreadable {path.name}: {error}", stacklevel=2)
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                header = f.metadata() or {}
+                if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
+                    raise ValueError("not a block file of this format (fields missing or damaged)")
+                if header["model"] != model:
+                    raise ValueError("written by another model (fingerprint differs)")
+                if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
+                    raise ValueError("digest in the header does not match the file name")
+                meta = BlockMeta(bytes.fromhex(header["digest"]), header["tenant"], int(header["depth"]), header["model"],
+                                 float(header["weight"]), float(header["written"]), None, int(header["priority"]),
+                                 int(header["fill"]))
+                if not tensors:
+                    return meta
+                data = {name: f.get_tensor(name) for name in f.keys()}
+            expected = {f"{kind}.{i}": shape for i, shape in enumerate(self.block_shapes) for kind in "kv"}
+            if {n: tuple(t.shape) for n, t in data.items()} != expected or any(t.dtype != self.dtype for t in data.values()):
+                raise ValueError("block shapes or dtype differ from this pool")
+            if header.get("checksum") != _checksum({k: v for k, v in header.items() if k != "checksum"}, data):
+                raise ValueError("checksum mismatch (corrupted or truncated)")
+            return meta, data
+        except Exception as error:  # any damage at all: skip the file, never fail the request
+            warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=3)
             self.counters["disk_rejects"] += 1
             return None
 
-    def _reject(self, digest: bytes, why: str) -> None:
-        warnings.warn(f"hf_paged_kv disk tier: ignoring {why}", stacklevel=3)
-        self.counters["disk_rejects"] += 1
-        self.catalog.pop(digest, None)
+    # -------------------------------------------------------------- budget
+    def used_bytes(self) -> int:
+        return sum(size for _, size, _ in self.catalog.values())
+
+    def forget(self, tenant: str | None = None, model: str | None = None) -> int:
+        """Delete the files of `tenant` and/or `model`."""
+        doomed = [d for d, (_, _, m) in self.catalog.items()
+                  if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
+        for digest in doomed:
+            self.catalog.pop(digest)[0].unlink(missing_ok=True)
+        return len(doomed)
+
+    def stats(self) -> dict:
+        return {"disk_blocks": len(self.catalog), "disk_bytes_used": self.used_bytes(),
+                "disk_bytes_budget": self.max_bytes} | self.counters
 
     def _enforce_budget(self, keep: bytes) -> None:
-        now, half_life = time.time(), self.pool.index.half_life
-        while self.used_bytes() > self.max_bytes and len(self.catalog) > 1:
-            victim = min((d for d in self.catalog if d != keep), key=lambda d: block_value(
-                self.catalog[d].weight, self.catalog[d].last_access, self.catalog[d].depth, None, now, half_life,
-                self.catalog[d].priority))
-            self.catalog.pop(victim).path.unlink(missing_ok=True)
+        if self.used_bytes() <= self.max_bytes:
+            return
+        wall = {d: m for d, (_, _, m) in self.catalog.items() if d != keep}
+        excess = self.used_bytes() - self.max_bytes
+
+        def remove(digest: bytes) -> None:
+            nonlocal excess
+            path, size, _ = self.catalog.pop(digest)
+            path.unlink(missing_ok=True)
+            excess -= size
             self.counters["disk_drops"] += 1
+
+        while excess > 0 and wall:
+            (victim,) = self.policy.evict(wall, list(wall), 1, remove, now=time.time())
+            del wall[victim]
+
+
+def _checksum(header: dict, tensors: dict) -> str:
+    digest = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -27,7 +27,9 @@ import itertools
 import warnings
 from dataclasses import dataclass, field
 
-from .errors import PagedKVError
+from ..allocator import BlockAllocator
+from ..errors import PagedKVError
+from .prefix_index import PrefixIndex
 
 HOT_PRIORITY = -1
 
@@ -48,24 +50,36 @@ class Pin:
     tokens: int = field(default=0)
 
 
-class PinRegistry:
-    """The pool's pins. Every call happens under the pool's lock."""
+def check_settings(budget: float, hot_threshold: float | None) -> None:
+    if not 0 <= budget <= 1:
+        raise ValueError(f"pin_budget is a fraction of the pool in [0, 1], got {budget}")
+    if hot_threshold is not None and hot_threshold <= 0:
+        raise ValueError(f"hot_threshold must be > 0 (or None to disable), got {hot_threshold}")
 
-    def __init__(self, pool, budget: float, hot_threshold: float | None):
-        if not 0 <= budget <= 1:
-            raise ValueError(f"pin_budget is a fraction of the pool in [0, 1], got {budget}")
-        if hot_threshold is not None and hot_threshold <= 0:
-            raise ValueError(f"hot_threshold must be > 0 (or None to disable), got {hot_threshold}")
-        self.pool = pool
-        self.budget_blocks = int(budget * pool.num_blocks)
+
+class PinRegistry:
+    """The pool's pins. Every call happens under the pool's lock.
+
+    `budget` and `hot_threshold` may be changed at any time (the load controller does); a lower
+    budget takes effect at the next pin.
+    """
+
+    def __init__(self, allocator: BlockAllocator, index: PrefixIndex, budget: float, hot_threshold: float | None):
+        check_settings(budget, hot_threshold)
+        self.allocator, self.index = allocator, index
+        self.budget = budget
         self.hot_threshold = hot_threshold
         self.pins: dict[int, Pin] = {}
         self._ids = itertools.count(1)
         self.refused = 0
 
     # ----------------------------------------------------------------- pins
+    @property
+    def budget_blocks(self) -> int:
+        return int(self.budget * self.allocator.num_blocks)
+
     def add(self, blocks: list[int], tenant: str, priority: int, ttl: float | None, reason: str) -> Pin | None:
-        now = self.pool.index.clock()
+        now = self.index.policy.now()
         self.expire(now)
         blocks = list(dict.fromkeys(blocks))
         needed = len(set(blocks) - self.pinned_blocks())
@@ -79,14 +93,14 @@ class PinRegistry:
             warnings.warn(f"{reason} pin refused: {message}", stacklevel=3)
             return None
         pin = Pin(next(self._ids), blocks, tenant, priority, reason, now, None if ttl is None else now + ttl,
-                  len(blocks) * self.pool.block_size)
-        self.pool.incref(blocks)
+                  len(blocks) * self.index.block_size)
+        self.allocator.incref(blocks)
         self.pins[pin.id] = pin
         return pin
 
     def remove(self, pin: Pin) -> None:
         if self.pins.pop(pin.id, None) is not None:
-            self.pool.decref(pin.blocks)
+            self.allocator.decref(pin.blocks)
 
     def pinned_blocks(self) -> set[int]:
         return {b for pin in self.pins.values() for b in pin.blocks}
@@ -118,13 +132,13 @@ class PinRegistry:
         unpin hot pins that cooled down."""
         if self.hot_threshold is None:
             return
-        index, now = self.pool.index, self.pool.index.clock()
+        now, half_life = self.index.policy.now(), self.index.policy.half_life
         for pin in [p for p in self.pins.values() if p.reason == "hot"]:
-            last = index.blocks.get(pin.blocks[-1])
-            if last is None or index.weight(last, now) < self.hot_threshold / 2:
+            last = self.index.metas.get(pin.blocks[-1])
+            if last is None or last.weight_at(now, half_life) < self.hot_threshold / 2:
                 self.remove(pin)
         hot = [i for i, b in enumerate(blocks)
-               if (e := index.blocks.get(b)) is not None and index.weight(e, now) >= self.hot_threshold]
+               if (m := self.index.metas.get(b)) is not None and m.weight_at(now, half_life) >= self.hot_threshold]
         if not hot:
             return
         prefix = blocks[: hot[-1] + 1]  # weights shrink with depth: the hot part is a prefix
@@ -134,8 +148,13 @@ class PinRegistry:
             self.remove(pin)  # superseded by the longer hot prefix
         self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
 
+    def release_all(self) -> None:
+        """Drop every pin (the blocks stay cached)."""
+        for pin in list(self.pins.values()):
+            self.remove(pin)
+
     def stats(self) -> dict:
-        now = self.pool.index.clock()
+        now = self.index.policy.now()
         self.expire(now)
         return {
             "blocks_pinned": len(self.pinned_blocks()),

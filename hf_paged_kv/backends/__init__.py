@@ -1,0 +1,47 @@
+"""Attention backends: how a forward's K/V reach the pool and how attention reads them back.
+
+A backend has two calls, made by the registered attention function for every layer:
+
+    write(plan, layer, key, value)        # key/value [B, kv_heads, T, head_dim] -> pool slots
+    attention(query, layer, plan, scale, window=None, softcap=None, need_weights=False)
+        -> (output [B, heads, T, head_dim], weights [B, heads, T, keys] or None)
+
+`torch` (gather or zero-copy views + SDPA, built on `hf_paged_kv.kernels.reference`) runs
+anywhere; `triton` (paged kernels) is the default on CUDA.
+"""
+
+from __future__ import annotations
+
+from ..errors import PagedKVError
+
+NAMES = ("torch", "triton")
+
+
+def choose(name: str, devices) -> str:
+    """Resolve "auto" (Triton when every layer is on CUDA and Triton is installed) and check the name."""
+    if name == "auto":
+        return "triton" if all(d.type == "cuda" for d in devices) and _triton_available() else "torch"
+    if name not in NAMES:
+        raise ValueError(f"backend must be one of {NAMES + ('auto',)}, got {name!r}")
+    if name == "triton" and not _triton_available():
+        raise PagedKVError("backend='triton' needs the triton package (pip install triton)")
+    return name
+
+
+def create(name: str, pool):
+    """The backend object for `name` ("torch" or "triton") on `pool`."""
+    if name == "triton":
+        from .triton_backend import TritonBackend  # imports Triton: only when asked for
+
+        return TritonBackend(pool)
+    from .torch_backend import TorchBackend
+
+    return TorchBackend(pool)
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True

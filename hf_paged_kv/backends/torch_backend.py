@@ -1,0 +1,145 @@
+"""The torch backend: the CPU default and the fallback wherever Triton does not apply, built on
+`hf_paged_kv.kernels.reference`.
+
+Reading paged KV costs a copy unless the keys lie in consecutive blocks: the allocator keeps
+each sequence's blocks in one run where it can, and then the keys are a zero-copy view of the
+pool (`[1, kv_heads, L, head_dim]` with the pool's strides), which SDPA reads directly. Decode
+steps read every sequence that way; fragmented sequences, prefills and padded batches gather
+their keys into one padded batch for a single SDPA call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hf_paged_kv.kernels import reference
+
+
+class TorchBackend:
+    name = "torch"
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    # ---------------------------------------------------------------- write
+    def write(self, plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the forward's new K/V (`[B, kv_heads, T, head_dim]`) at the plan's slots."""
+        src, dst = self._write_indices(plan, key.device)
+        if src.numel() == 0:
+            return
+        rows = key.shape[0] * key.shape[2]
+        flat_key = key.transpose(1, 2).reshape(rows, *key.shape[1:2], key.shape[3])
+        flat_value = value.transpose(1, 2).reshape(rows, *value.shape[1:2], value.shape[3])
+        reference.store_kv(self.pool.key_cache[layer], self.pool.value_cache[layer],
+                           flat_key.index_select(0, src), flat_value.index_select(0, src), dst)
+
+    @staticmethod
+    def _write_indices(plan, device):
+        key = ("torch-write", device)
+        if key not in plan.memo:
+            src = np.flatnonzero(plan.slot_mapping >= 0)
+            plan.memo[key] = (torch.from_numpy(src).to(device), torch.from_numpy(plan.slot_mapping[src]).to(device))
+        return plan.memo[key]
+
+    # ------------------------------------------------------------ attention
+    def attention(self, query, layer: int, plan, scale: float, window=None, softcap=None, need_weights=False):
+        """`query` `[B, heads, T, head_dim]` against the paged KV of `layer`; returns the output
+        in the same shape, and the weights `[B, heads, T, max_kv_len]` when `need_weights`."""
+        keys, values = self.pool.key_cache[layer], self.pool.value_cache[layer]
+        if query.shape[0] != plan.num_sequences:  # the serving engine's packed row
+            return self._packed(query, keys, values, plan, scale, window, softcap), None
+        if need_weights or softcap:
+            return self._padded(query, keys, values, plan, scale, window, softcap, explicit=True)
+        if plan.decode_only and (window is None or plan.q_logical is None):
+            return self._decode(query, keys, values, plan, scale, window), None
+        return self._padded(query, keys, values, plan, scale, window)
+
+    def _decode(self, query, keys, values, plan, scale, window):
+        """One query per sequence: each row reads its keys as a view when they are contiguous."""
+        if (plan.contiguous < 0).all() and len(plan.kv_lens) > 1:
+            return self._padded(query, keys, values, plan, scale, window)[0]
+        outputs = [
+            self._attend_sequence(query[row : row + 1], keys, values, plan, row, scale, window)
+            for row in range(query.shape[0])
+        ]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    def _packed(self, query, keys, values, plan, scale, window, softcap):
+        """Many sequences in one row (the serving engine): each sequence's queries attend on
+        their own; decodes are batched together."""
+        flat = query[0].transpose(0, 1)  # [Q, heads, dim]
+        out = torch.empty_like(flat)
+        starts = plan.q_start
+        for sequence in range(plan.num_sequences):
+            lo, hi = int(starts[sequence]), int(starts[sequence + 1])
+            rows = flat[lo:hi].transpose(0, 1)[None]  # [1, heads, n, dim]
+            attended = self._attend_sequence(rows, keys, values, plan, sequence, scale, window, softcap)
+            out[lo:hi] = attended[0].transpose(0, 1)
+        return out.transpose(0, 1)[None]
+
+    def _attend_sequence(self, query, keys, values, plan, sequence: int, scale, window, softcap=None):
+        """`query` `[1, heads, n, dim]`: the last `n` stored tokens of `sequence` (causal)."""
+        length, count = int(plan.kv_lens[sequence]), query.shape[2]
+        first = 0 if window is None else max(0, length - count + 1 - window)
+        seq_keys, seq_values = self._sequence_kv(keys, values, plan, sequence, first, length, query.dtype)
+        if not softcap and (count == 1 or (first == 0 and count == length)):
+            return reference.sdpa(query, seq_keys, seq_values, None, scale, is_causal=count > 1)
+        key_positions = torch.arange(first, length, device=query.device)[None, :]
+        positions = torch.arange(length - count, length, device=query.device)[:, None]
+        visible = key_positions <= positions
+        if window is not None:
+            visible &= key_positions > positions - window
+        if softcap:
+            return reference.eager_attention(query, seq_keys, seq_values, visible[None, None], scale, softcap)[0]
+        return reference.sdpa(query, seq_keys, seq_values, visible[None, None], scale)
+
+    @staticmethod
+    def _sequence_kv(keys, values, plan, sequence: int, first: int, length: int, dtype):
+        """Keys and values `[1, kv_heads, length - first, dim]` of stored tokens first..length."""
+        size = plan.block_size
+        start = int(plan.contiguous[sequence])
+        if start >= 0:
+            lo, hi = start * size + first, start * size + length
+            heads, dim = keys.shape[-2:]
+            return tuple(cache.view(-1, heads, dim)[lo:hi].unsqueeze(0).transpose(1, 2).to(dtype)
+                         for cache in (keys, values))
+        tables = plan.on("block_tables", keys.device)[sequence : sequence + 1]
+        slots = reference.gather_slots(tables, size, length)[:, first:]
+        return reference.gather(keys, slots).to(dtype), reference.gather(values, slots).to(dtype)
+
+    def _padded(self, query, keys, values, plan, scale, window, softcap=None, explicit=False):
+        """Every row's keys gathered into one padded batch, one SDPA (or explicit) call with a
+        mask built from the plan; the general path."""
+        device, (batch, heads, width, _) = query.device, query.shape
+        length = max(plan.max_kv_len, 1)
+        memo = ("torch-padded", device, window, width)
+        if memo not in plan.memo:
+            slots = reference.gather_slots(plan.on("block_tables", device), plan.block_size, length)
+            mask, causal = self._mask(plan, device, batch, width, length, window)
+            plan.memo[memo] = slots, mask, causal
+        slots, mask, causal = plan.memo[memo]
+        seq_keys = reference.gather(keys, slots).to(query.dtype)
+        seq_values = reference.gather(values, slots).to(query.dtype)
+        if explicit:
+            if mask is None:
+                mask = reference.attention_mask(plan.on("q_pos", device).view(batch, width),
+                                                plan.on("kv_lens", device), length, window)
+            return reference.eager_attention(query, seq_keys, seq_values, mask, scale, softcap)
+        return reference.sdpa(query, seq_keys, seq_values, mask, scale, is_causal=causal), None
+
+    @staticmethod
+    def _mask(plan, device, batch, width, length, window):
+        """`(mask, is_causal)`: no mask when every row is real and of one length, as a standard
+        decode step or a whole-prompt prefill."""
+        lens = plan.kv_lens.astype(np.int64)
+        standard = (lens == lens[0]).all() and (
+            plan.q_pos.reshape(batch, width) == lens[:, None] - width + np.arange(width)
+        ).all()
+        if standard and width in (1, length) and (window is None or length <= window):
+            return None, width > 1
+        q_logical = plan.on("q_logical", device).view(batch, width) if plan.q_logical is not None else None
+        k_logical = plan.on("k_logical", device) if plan.k_logical is not None else None
+        mask = reference.attention_mask(plan.on("q_pos", device).view(batch, width), plan.on("kv_lens", device),
+                                        length, window, q_logical, k_logical)
+        return mask, False

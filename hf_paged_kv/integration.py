@@ -1,0 +1,285 @@
+"""How hf_paged_kv plugs into a transformers model: `enable`, the forward wrapper and the
+registered attention function.
+
+`enable(model)` checks the model, binds a KVPool to its layer shapes, registers the attention
+function "hf_paged_kv" (with a matching mask function) and wraps the model's `forward`:
+
+1. the wrapper sees every forward `generate` makes. With a PagedCache in `past_key_values` it
+   has the cache plan the forward (`PagedCache.begin_forward`: inherit cached prefixes,
+   allocate blocks, compute write slots), drops the input columns no row needs to compute, and
+   runs the model with the plan active on this thread (`step.activate`);
+2. each attention layer calls the registered `paged_attention`, which has the backend write the
+   layer's new K/V into the pool and attend over the whole stored sequence;
+3. when the forward returns, the cache commits (`finish_forward`); when it raises anything at
+   all – KeyboardInterrupt and GeneratorExit included – the cache undoes it (`abort_forward`).
+
+A forward with any other cache (or none) runs the model's previous attention unchanged, so an
+enabled model still works with `DynamicCache`. The serving engine activates its own plans.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sys
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from . import backends, step
+from .cache import PagedCache
+from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
+from .model_checks import layer_specs
+from .pool import KVPool
+
+ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
+_STATE_ATTR = "hf_paged_kv_state"
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
+_PREVIOUS: dict[int, str] = {}  # id(model config) -> the attention implementation before enable
+_PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+
+
+@dataclass
+class EnabledState:
+    pool: KVPool
+    backend: object
+    previous_attention: str
+    original_forward: object
+    config_digest: str
+    fingerprint: str
+    dtype: torch.dtype
+    devices: set
+    forward_was_set: bool  # the model had a `forward` instance attribute before enable (another wrapper)
+
+
+def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
+    """Make `model` run its attention on paged KV and return its pool.
+
+    Args:
+        model: a decoder-only transformers model whose attention goes through transformers'
+            attention interface (see the README's table of architectures).
+        pool: a KVPool to use (its size and block size); default `KVPool()`. Two models may
+            share one pool if their layers have the same shapes: their KV stays apart (the
+            model fingerprint is part of every block hash).
+        backend: "torch" (zero-copy views or gather + SDPA), "triton" (paged kernels), or
+            "auto": Triton on CUDA, torch otherwise.
+
+    Idempotent: enabling an enabled model returns its pool (passing another pool is an error).
+    """
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        if pool is not None and pool is not state.pool:
+            raise PagedKVError("model is already enabled with another pool; call hf_paged_kv.disable(model) first")
+        return state.pool
+    layers = layer_specs(model)
+    backend_name = backends.choose(backend, [spec.device for spec in layers])
+    pool = pool if pool is not None else KVPool()
+    config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
+    dtype = _model_dtype(model)
+    fingerprint = _fingerprint(model, config_digest, pool)
+    pool.bind(layers, dtype, fingerprint)
+    _register()
+    previous = model.config._attn_implementation or "sdpa"
+    _PREVIOUS[id(model.config)] = previous
+    model.set_attn_implementation(ATTENTION_NAME)
+    original = model.forward
+    state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
+                         dtype, _devices(model), "forward" in vars(model))
+    setattr(model, _STATE_ATTR, state)
+    model.forward = _paged_forward(model, original)
+    return pool
+
+
+def disable(model) -> None:
+    """Undo `enable`: restore the model's forward and its previous attention implementation."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        return
+    if vars(model).get("forward") is not None and getattr(model.forward, "__wrapped__", None) is state.original_forward:
+        if state.forward_was_set:
+            model.forward = state.original_forward
+        else:
+            del model.forward  # the class's forward shows again
+    model.set_attn_implementation(state.previous_attention)
+    _PREVIOUS.pop(id(model.config), None)
+    delattr(model, _STATE_ATTR)
+
+
+def pool_of(model) -> KVPool:
+    """The pool of an enabled model."""
+    return state_of(model).pool
+
+
+def state_of(model) -> EnabledState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise NotEnabledError("model is not enabled; call hf_paged_kv.enable(model)")
+    return state
+
+
+def current_fingerprint(model) -> str:
+    """The model's fingerprint now. Weights changed in place (`load_state_dict`, merged
+    adapters) give a new one, and what the old weights computed is forgotten; a changed
+    dtype or device is refused (the pool's tensors were allocated for the old ones)."""
+    state = state_of(model)
+    dtype = _model_dtype(model)
+    if dtype != state.dtype or _devices(model) != state.devices:
+        raise PagedKVError(
+            f"the model's dtype or device changed after hf_paged_kv.enable (now {dtype}); its pool holds "
+            f"{state.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a new KVPool"
+        )
+    fingerprint = _fingerprint(model, state.config_digest, state.pool)
+    if fingerprint != state.fingerprint:
+        state.pool.forget_model(state.fingerprint)
+        state.fingerprint = fingerprint
+    return fingerprint
+
+
+# ------------------------------------------------------------------ forward wrapper
+def _paged_forward(model, original):
+    @functools.wraps(original)  # generate reads the signature (logits_to_keep support) through __wrapped__
+    def forward(*args, **kwargs):
+        cache = kwargs.get("past_key_values")
+        if not isinstance(cache, PagedCache):
+            return original(*args, **kwargs)
+        if kwargs.get("use_cache") is False:
+            raise PagedKVError("a PagedCache was passed with use_cache=False, which would bypass it; drop "
+                               "past_key_values or use_cache=False")
+        state = state_of(model)
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+        if inputs is None:
+            raise PagedKVError("forward needs input_ids or inputs_embeds")
+        shape = tuple(inputs.shape[:2])
+        fresh_or_prefill = not cache.is_initialized or shape[1] > 1
+        fingerprint = current_fingerprint(model) if fresh_or_prefill else state.fingerprint
+        need_weights = kwargs.get("output_attentions")
+        need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
+        plan = cache.begin_forward(state.pool, fingerprint, input_ids, kwargs.get("attention_mask"), shape,
+                                   _may_skip(args, kwargs), logical=need_weights)
+        if plan.skip:
+            args, kwargs = _drop_columns(args, kwargs, plan.skip, cache.get_seq_length())
+        try:
+            with step.activate(plan, state.backend, need_weights):
+                output = original(*args, **kwargs)
+        except BaseException:
+            cache.abort_forward()
+            raise
+        cache.finish_forward()
+        return output
+
+    return forward
+
+
+def _may_skip(args, kwargs) -> bool:
+    """Whether the forward may drop leading columns a row has cached: only when just the last
+    position's logits are returned (generate) and nothing else per position is."""
+    if kwargs.get("logits_to_keep") != 1 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return False
+    per_token = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in _PER_TOKEN_INPUTS
+                 and k != "past_key_values"]
+    return len(args) <= 1 and not per_token
+
+
+def _drop_columns(args, kwargs, skip: int, past: int):
+    """Shorten the forward to the columns some row still computes (prefix reuse). Positions
+    stay what the model would have used, so RoPE and learned position embeddings see the truth."""
+    kwargs = dict(kwargs)
+    inputs = kwargs.get("input_ids", args[0] if args else None)
+    if inputs is None:
+        inputs = kwargs["inputs_embeds"]
+    if kwargs.get("position_ids") is None:  # what the model computes by itself: the logical positions
+        kwargs["position_ids"] = torch.arange(past, past + inputs.shape[1], device=inputs.device)[None]
+    kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
+    if kwargs.get("attention_mask") is not None:
+        kwargs["attention_mask"] = kwargs["attention_mask"][:, skip:]
+    for name in ("input_ids", "inputs_embeds"):
+        if kwargs.get(name) is not None:
+            kwargs[name] = kwargs[name][:, skip:]
+    if args:
+        args = (args[0][:, skip:], *args[1:])
+    return args, kwargs
+
+
+# ---------------------------------------------------------- attention and mask
+def paged_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
+                    sliding_window=None, softcap=None, **kwargs):
+    """The registered attention function: writes the layer's new K/V into the pool, then
+    `query` `[B, heads, T, dim]` attends to the stored sequence. Returns `([B, T, heads, dim],
+    weights or None)` as transformers expects."""
+    current = step.current()
+    if current is None:  # this forward uses another cache (or none): the model's own attention
+        return _previous_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"attention argument {name!r} is not supported by the paged backends")
+    if dropout:
+        raise PagedKVError("PagedCache is for inference: attention dropout must be 0 (call model.eval())")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer, plan = module.layer_idx, current.plan
+    current.backend.write(plan, layer, key, value)
+    out, weights = current.backend.attention(query, layer, plan, scale, sliding_window, softcap,
+                                             need_weights=current.need_weights)
+    if weights is not None:
+        weights = _logical_weights(weights, plan)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _logical_weights(weights: torch.Tensor, plan) -> torch.Tensor:
+    """Attention weights over stored keys, spread over logical positions (zeros at pads), as
+    `DynamicCache` gives them."""
+    batch, heads, width, stored = weights.shape
+    index = plan.on("k_logical", weights.device)[:, None, None, :stored].expand(batch, heads, width, stored)
+    logical = torch.zeros(batch, heads, width, plan.logical_length, dtype=weights.dtype, device=weights.device)
+    return logical.scatter_add_(-1, index, weights)
+
+
+def _previous_attention(module):
+    previous = _PREVIOUS.get(id(module.config), "sdpa")
+    if previous == "eager" or previous not in ALL_ATTENTION_FUNCTIONS:
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[previous]
+
+
+def paged_mask(*args, config=None, **kwargs):
+    """Mask function registered with the attention: a paged forward builds its own masks from
+    the plan; any other forward gets the mask of the model's previous attention."""
+    if step.current() is not None:
+        return None
+    previous = _PREVIOUS.get(id(config), "sdpa")
+    return ALL_MASK_ATTENTION_FUNCTIONS[previous if previous in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"](
+        *args, config=config, **kwargs)
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, paged_mask)
+
+
+# -------------------------------------------------------------------- helpers
+def _model_dtype(model) -> torch.dtype:
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _devices(model) -> set[torch.device]:
+    return {p.device for p in model.parameters()}
+
+
+def _fingerprint(model, config_digest: str, pool: KVPool) -> str:
+    """Model identity for the prefix index and the disk tier: class, name, a hash of the full
+    config and of a sample of every weight (so fine-tunes of one config differ), dtype and the
+    pool's block size. One device-to-host copy, whatever the number of weights."""
+    with torch.no_grad():
+        params = sorted(model.named_parameters())
+        device = params[0][1].device
+        sample = torch.cat([p.detach().reshape(-1)[:64].float().to(device) for _, p in params]).cpu()
+    digest = hashlib.blake2b(sample.numpy().tobytes(), digest_size=16)
+    for name, param in params:
+        digest.update(f"{name}{tuple(param.shape)}".encode())
+    dtype = pool.dtype or _model_dtype(model)
+    return (f"{type(model).__name__}|{model.config._name_or_path}|{config_digest}|{digest.hexdigest()}"
+            f"|block_size={pool.block_size}|dtype={dtype}")

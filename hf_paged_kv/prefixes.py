@@ -1,0 +1,99 @@
+"""Operations on a prefix's KV: publish it to every tenant, pin it in device memory, unpin it,
+persist it to the disk tier. Each computes the prefix (or finds it cached) first.
+
+    >>> hf_paged_kv.publish(model, system_prompt, tokenizer)          # every tenant may reuse it
+    >>> pin = hf_paged_kv.pin(model, system_prompt, tokenizer, tenant="acme", priority=10, ttl=3600)
+    >>> hf_paged_kv.unpin(model, pin)
+    >>> hf_paged_kv.persist(model, system_prompt, tokenizer)          # survives a restart
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from .cache import PagedCache
+from .errors import PagedKVError
+from .integration import current_fingerprint, pool_of
+from .reuse.pins import Pin
+from .reuse.prefix_index import PUBLIC_TENANT
+
+
+def publish(model, prefix, tokenizer=None) -> int:
+    """Compute (or find) the KV of `prefix` and share its full blocks with every tenant.
+
+    `prefix` is token ids (a list or 1-D tensor) or text with its `tokenizer` (no special tokens
+    are added). This is the only way KV crosses tenants: use it for prompts that are public,
+    such as a common system prompt. Returns the number of tokens published (whole blocks).
+    """
+    cache = PagedCache()
+    cache.tenant = PUBLIC_TENANT  # deliberately set here: the constructor refuses it
+    with _prefix_blocks(model, prefix, tokenizer, cache) as blocks:
+        return len(blocks) * pool_of(model).block_size
+
+
+def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 0, ttl: float | None = None) -> Pin:
+    """Compute (or find) the KV of `prefix` for `tenant` and lock its full blocks in device
+    memory: they are never evicted until `unpin` or the TTL (seconds). Returns the `Pin`.
+
+    `prefix` is token ids or text with its `tokenizer`. Raises `PinBudgetError` when the pool's
+    pin budget cannot hold it even after displacing lower-priority pins.
+    """
+    pool = pool_of(model)
+    with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
+        if not blocks:
+            raise ValueError(f"the prefix fills no block of {pool.block_size} tokens; nothing to pin")
+        with pool.locked():
+            return pool.reuse.pins.add(blocks, tenant, priority, ttl, "explicit")
+
+
+def unpin(model, pin: Pin) -> None:
+    """Release a pin; its blocks stay cached (evictable) for reuse."""
+    pool = pool_of(model)
+    with pool.locked():
+        pool.reuse.pins.remove(pin)
+
+
+def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
+    """Compute (or find) the KV of `prefix` and write its full blocks to the pool's disk tier
+    now, so that a restarted process with the same model and directory reuses them. Returns the
+    number of tokens written (whole blocks)."""
+    pool = pool_of(model)
+    if pool.tiers.disk is None:
+        raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
+    with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
+        with pool.locked():
+            for block in blocks:
+                pool.tiers.write_to_disk(pool.reuse.index.metas[block], pool.block_layers(block))
+    return len(blocks) * pool.block_size
+
+
+def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dict[str, int]:
+    """How many leading tokens of `prefix` a new request of `tenant` would inherit from whole
+    cached blocks, by the tier each block is in now: `{"device": n, "host": n, "disk": n}`.
+    Nothing is computed, moved or counted as a hit."""
+    tokens = _token_ids(prefix, tokenizer)
+    return pool_of(model).probe(current_fingerprint(model), tokens, tenant)
+
+
+def _token_ids(prefix, tokenizer) -> list[int]:
+    if isinstance(prefix, str):
+        if tokenizer is None:
+            raise ValueError("a text prefix needs its tokenizer")
+        return tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    return torch.as_tensor(prefix, dtype=torch.long).reshape(-1).tolist()
+
+
+@contextmanager
+def _prefix_blocks(model, prefix, tokenizer, cache: PagedCache):
+    """Run `prefix` (token ids, or text with its tokenizer) through `cache` on the enabled
+    `model` and yield the prefix's full blocks, held by the cache until the block exits."""
+    block_size = pool_of(model).block_size
+    ids = torch.tensor([_token_ids(prefix, tokenizer)], dtype=torch.long, device=model.device)
+    if ids.shape[1] == 0:
+        raise ValueError("the prefix is empty")
+    with cache:
+        with torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        yield cache.block_tables()[0][: ids.shape[1] // block_size]

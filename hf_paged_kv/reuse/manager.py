@@ -1,0 +1,170 @@
+"""ReuseManager: everything that decides which KV a new request may inherit and which it offers.
+
+It owns the exact prefix index, the optional semantic index and the pins, and counts what they
+do. It holds the allocator (to reference what it hands out) but not the pool: bringing a block
+back from a lower tier needs the pool's tensors, so `acquire` takes a `promote` callable.
+Every call happens under the pool's lock, except `embed`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from ..allocator import BlockAllocator
+from ..policy import BlockMeta, Policy
+from ..sequence import Sequence
+from .pins import PinRegistry
+from .prefix_index import PrefixIndex
+from .semantic import SemanticIndex
+
+COUNTERS = ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "hit_tokens_host",
+            "hit_tokens_disk")
+
+# promote(digest) -> (device block holding it, its meta, "host" | "disk") or None
+Promote = Callable[[bytes], "tuple[int, BlockMeta, str] | None"]
+
+
+class ReuseManager:
+    def __init__(self, allocator: BlockAllocator, block_size: int, policy: Policy, semantic: SemanticIndex | None,
+                 pin_budget: float, hot_threshold: float | None):
+        self.allocator, self.block_size, self.policy = allocator, block_size, policy
+        self.index = PrefixIndex(block_size, policy, allocator)
+        self.semantic = semantic
+        self.pins = PinRegistry(allocator, self.index, pin_budget, hot_threshold)
+        self.counters = dict.fromkeys(COUNTERS, 0)
+
+    # ------------------------------------------------------------- inherit
+    def embed(self, tokens) -> np.ndarray | None:
+        """The prompt's embedding for the semantic lookup (call outside the pool's lock)."""
+        if self.semantic is None:
+            return None
+        self.semantic.embed_pending()
+        return self.semantic.embed(tokens)
+
+    def inherit(self, model: str, tenant: str, tokens: np.ndarray, limit: int, promote: Promote,
+                vector: np.ndarray | None = None) -> tuple[list[int], int]:
+        """Referenced blocks and length of the longest reusable prefix of `tokens`, at most
+        `limit` tokens: cached full blocks (device, or promoted from a lower tier), then a
+        verified semantic candidate, which may end inside a block (shared: the row copies it
+        before writing into it)."""
+        self.counters["lookups"] += 1
+        self.counters["lookup_tokens"] += len(tokens)
+        blocks = self._exact(model, tenant, tokens, max(limit, 0) // self.block_size, promote)
+        length = len(blocks) * self.block_size
+        self.counters["hit_tokens_prefix"] += length
+        if self.semantic is not None and vector is not None and limit > length:
+            found = self.semantic.best(tenant, model, vector, tokens, limit, length, self.allocator.version,
+                                       self.block_size)
+            if found is not None:
+                best, table = found
+                extra = table[len(blocks) : -(-best // self.block_size)]
+                self.allocator.incref(extra)
+                blocks += extra
+                self.counters["hit_tokens_semantic"] += best - length
+                length = best
+        self.pins.observe(tenant, blocks[: length // self.block_size])
+        return blocks, length
+
+    def _exact(self, model: str, tenant: str, tokens, max_blocks: int, promote: Promote) -> list[int]:
+        now, found = self.policy.now(), []
+        for mine, published in self.index.digest_pairs(model, tenant, tokens, max_blocks):
+            block = self.index.lookup(mine, now)
+            block = self.index.lookup(published, now) if block is None else block
+            if block is not None:
+                self.allocator.incref([block])
+            else:
+                promoted = promote(mine) or promote(published)
+                if promoted is None:
+                    break
+                block, meta, tier = promoted
+                self.index.adopt(block, meta, found[-1] if found else None)
+                self.counters[f"hit_tokens_{tier}"] += self.block_size
+            found.append(block)
+        self.index.touch(found, now)
+        return found
+
+    def probe(self, model: str, tenant: str, tokens, lower_tier: Callable[[bytes], str | None]) -> dict[str, int]:
+        """Tokens of the longest cached prefix of `tokens` (whole blocks), by the tier each block
+        is in now; nothing is referenced, touched or moved."""
+        now, found = self.policy.now(), dict.fromkeys(("device", "host", "disk"), 0)
+        for mine, published in self.index.digest_pairs(model, tenant, tokens, len(tokens) // self.block_size):
+            if self.index.lookup(mine, now) is not None or self.index.lookup(published, now) is not None:
+                tier = "device"
+            else:
+                tier = lower_tier(mine) or lower_tier(published)
+                if tier is None:
+                    break
+            found[tier] += self.block_size
+        return found
+
+    def references(self) -> dict[str, int]:
+        """References the reuse machinery holds: one per pinned block and pin, one per semantic
+        entry's partial block."""
+        pins = sum(len(p.blocks) for p in self.pins.pins.values())
+        semantic = sum(1 for e in self.semantic.entries if e.held is not None) if self.semantic is not None else 0
+        return {"references_by_pins": pins, "references_by_semantic": semantic}
+
+    # --------------------------------------------------------------- offer
+    def index_sequence(self, model: str, tenant: str, sequence: Sequence, priority: int) -> None:
+        """Index the sequence's full blocks not indexed yet (after a successful forward). Where
+        an identical block is already indexed, the sequence switches to it and drops its copy."""
+        size, done = self.block_size, len(sequence.digests)
+        full = sequence.length // size
+        tokens = sequence.tokens[done * size : full * size]
+        if full <= done or -1 in tokens:
+            return
+        start = sequence.digests[-1] if done else self.index.root(model, tenant)
+        digests = self.index.chain(start, tokens)
+        for position, known in self.index.register(model, tenant, done, digests, sequence.blocks, priority):
+            self.allocator.incref([known])
+            self.allocator.decref([sequence.blocks[position]])
+            sequence.blocks[position] = known
+        sequence.digests.extend(digests)
+        self.pins.observe(tenant, sequence.blocks[: len(sequence.digests)])
+
+    def offer(self, model: str, tenant: str, sequence: Sequence) -> None:
+        """Offer a finished row to the semantic index (its embedding comes later)."""
+        if self.semantic is None:
+            return
+        held = self.semantic.add(tenant, model, sequence.tokens, sequence.blocks, self.allocator.version,
+                                 self.block_size)
+        if held is not None:
+            self.allocator.incref([held])
+        self.allocator.decref(self.semantic.trim())
+
+    # ------------------------------------------------------------- evict
+    def evict(self, count: int, now: float) -> list[tuple[int, BlockMeta]]:
+        """Free up to `count` blocks: cached prefix blocks (returned for demotion), then blocks
+        held only by the oldest semantic entries."""
+        self.pins.expire(now)
+        victims = self.index.evict(count, now)
+        freed = len(victims)
+        while freed < count and self.semantic is not None:
+            held = self.semantic.drop_oldest()
+            if held is False:
+                break
+            freed += len(self.allocator.decref([held]))
+        return victims
+
+    def evictable(self) -> int:
+        held = self.semantic.held_blocks(self.allocator.refcount) if self.semantic is not None else 0
+        return self.allocator.idle_cached() + held
+
+    def forget(self, tenant: str | None = None, model: str | None = None) -> None:
+        """Forget every cached prefix, semantic entry and pin of `tenant` and/or `model`
+        (blocks in use stay with their sequences but are no longer shared)."""
+        for pin in [p for p in self.pins.pins.values() if tenant is None or p.tenant == tenant]:
+            self.pins.remove(pin)
+        self.index.forget(self.index.blocks_of(tenant, model))
+        if self.semantic is not None:
+            self.allocator.decref(self.semantic.forget(tenant, model))
+
+    # ------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        counters = dict(self.counters)
+        hits = counters["hit_tokens_prefix"] + counters["hit_tokens_semantic"]
+        counters["hit_rate"] = hits / counters["lookup_tokens"] if counters["lookup_tokens"] else 0.0
+        semantic = self.semantic.counters if self.semantic is not None else {}
+        return counters | self.index.counters | semantic | self.pins.stats()

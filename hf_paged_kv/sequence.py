@@ -1,0 +1,75 @@
+"""Sequence: one row of KV in the pool – its block table and what the blocks hold.
+
+A row of a `generate` batch and a request of the serving engine are both a Sequence. It knows
+nothing of the pool: allocating, sharing and freeing its blocks is the caller's job (the block
+ids it drops are returned so the caller can release them).
+
+Two lengths matter. The *stored* length counts the tokens whose K/V are in the blocks (pad
+tokens never are). The *logical* length counts every position transformers has seen, pads
+included; `history` has one byte per logical position, 1 where a token was stored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Sequence:
+    blocks: list[int] = field(default_factory=list)  # block table: block i holds stored tokens [i*size, (i+1)*size)
+    length: int = 0  # stored tokens
+    tokens: list[int] = field(default_factory=list)  # id of each stored token (-1: only its embedding was known)
+    history: bytearray = field(default_factory=bytearray)  # per logical position: 1 stored, 0 pad
+    digests: list[bytes] = field(default_factory=list)  # chained digests of the leading blocks indexed for reuse
+
+    @property
+    def logical_length(self) -> int:
+        return len(self.history)
+
+    def copy(self) -> "Sequence":
+        """A sequence with the same content and the same block ids (the caller adds the references)."""
+        return Sequence(list(self.blocks), self.length, list(self.tokens), bytearray(self.history), list(self.digests))
+
+    def blocks_needed(self, count: int, block_size: int) -> int:
+        """New blocks to hold `count` more stored tokens."""
+        return -(-(self.length + count) // block_size) - len(self.blocks)
+
+    def partial_block(self, block_size: int) -> int | None:
+        """The last block if it is partly filled (the next token goes into it), else None."""
+        return self.blocks[self.length // block_size] if self.length % block_size else None
+
+    def append(self, real: np.ndarray, ids: np.ndarray) -> None:
+        """Record a finished forward: `real` marks its stored positions (bool per logical
+        position), `ids` the token id of each position (-1 where unknown)."""
+        self.history.extend(real.astype(np.uint8).tobytes())
+        self.tokens.extend(ids[real].tolist())
+        self.length += int(real.sum())
+
+    def truncate(self, length: int, block_size: int) -> list[int]:
+        """Keep the first `length` stored tokens; returns the block ids no longer needed."""
+        del self.tokens[length:]
+        del self.digests[length // block_size :]
+        keep = -(-length // block_size)
+        dropped = self.blocks[keep:]
+        del self.blocks[keep:]
+        self.length = length
+        return dropped
+
+    def crop(self, logical: int, block_size: int) -> list[int]:
+        """Keep the first `logical` positions (pads included); returns the block ids dropped."""
+        stored = sum(self.history[:logical])
+        del self.history[logical:]
+        return self.truncate(stored, block_size)
+
+    def logical_positions(self) -> np.ndarray:
+        """Logical position of every stored token."""
+        return np.flatnonzero(np.frombuffer(bytes(self.history), dtype=np.uint8))
+
+    def has_holes(self) -> bool:
+        """Whether a pad position follows a stored token (right padding, masks with holes):
+        then stored and logical positions no longer differ by a constant."""
+        history = np.frombuffer(bytes(self.history), dtype=np.uint8)
+        real = np.flatnonzero(history)
+        return bool(len(real)) and not history[real[0] :].all()

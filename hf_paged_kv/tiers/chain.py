@@ -1,0 +1,73 @@
+"""TierChain: where a cached block goes when it leaves the device, and how it comes back.
+
+    device --evict--> host --full--> disk --budget--> dropped
+    device <--promote-- host / disk        (when a request's prefix reaches the block)
+
+Each step keeps the block's `BlockMeta` with its weight decayed to the moment of the move, so a
+block is worth the same in every tier. Expired blocks are never demoted. Without a host tier,
+evicted blocks go straight to disk; without either, they are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..policy import BlockMeta, Policy
+from .disk import DiskTier
+from .host import HostTier
+
+
+class TierChain:
+    def __init__(self, policy: Policy, host: HostTier | None = None, disk: DiskTier | None = None):
+        self.policy, self.host, self.disk = policy, host, disk
+
+    @property
+    def empty(self) -> bool:
+        return self.host is None and self.disk is None
+
+    def demote(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep an evicted device block (`layers`: its `(key, value)` views) one tier down."""
+        now = self.policy.now()
+        if meta.expired(now):
+            return
+        meta = meta.as_of(now, self.policy.half_life)
+        if self.host is not None:
+            if self.host.full():
+                dropped, data = self.host.lowest()
+                if self.disk is not None and not dropped.expired(now):
+                    self.disk.write(dropped, data)
+            self.host.store(meta, layers)
+        elif self.disk is not None:
+            self.disk.write(meta, layers)
+
+    def write_to_disk(self, meta: BlockMeta, layers) -> bool:
+        """`persist`: write a device block to disk now (it also stays on the device)."""
+        return self.disk.write(meta.as_of(self.policy.now(), self.policy.half_life), layers)
+
+    def has(self, digest: bytes) -> str | None:
+        """Which lower tier holds `digest`: "host", "disk" or None."""
+        if self.host is not None and self.host.contains(digest, self.policy.now()):
+            return "host"
+        if self.disk is not None and self.disk.contains(digest):
+            return "disk"
+        return None
+
+    def promote(self, digest: bytes, model: str, block: int, layers) -> BlockMeta | None:
+        """Copy `digest` from the host or disk tier into device `block` (`layers`: its views)."""
+        tier = self.has(digest)
+        if tier == "host":
+            return self.host.load(digest, block, layers)
+        if tier == "disk":
+            return self.disk.load(digest, model, layers)
+        return None
+
+    def note_idle(self, blocks: list[int]) -> None:
+        if self.host is not None:
+            self.host.note_idle(blocks)
+
+    def forget(self, tenant: str | None = None, model: str | None = None) -> int:
+        """Forget (and delete) what the lower tiers hold of `tenant` and/or `model`."""
+        return sum(t.forget(tenant, model) for t in (self.host, self.disk) if t is not None)
+
+    def stats(self) -> dict:
+        return {k: v for t in (self.host, self.disk) if t is not None for k, v in t.stats().items()}
