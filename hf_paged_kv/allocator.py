@@ -118,3 +118,20 @@ class BlockAllocator:
             return 0
         table = np.asarray(blocks)
         return 1 + int(np.count_nonzero(np.diff(table) != 1))
+
+    def problems(self, indexed: set[int]) -> dict[str, list[int]]:
+        """Inconsistencies of the bookkeeping (first blocks of each kind); `indexed`: the blocks
+        the prefix index holds. Empty when all is well."""
+        is_indexed = np.zeros(self.num_blocks, dtype=bool)
+        is_indexed[list(indexed)] = True
+        found = {
+            "negative reference counts": self.refcount < 0,
+            "free blocks with references": self.free & (self.refcount != 0),
+            "free blocks marked cached": self.free & self.cached,
+            "blocks neither free, referenced nor cached": ~self.free & (self.refcount == 0) & ~self.cached,
+            "cached flags that disagree with the index": self.cached != is_indexed,
+        }
+        problems = {name: np.flatnonzero(mask)[:10].tolist() for name, mask in found.items() if mask.any()}
+        if self.num_free != int(self.free.sum()):
+            problems["free count"] = [self.num_free, int(self.free.sum())]
+        return problems

@@ -20,6 +20,7 @@ allocate, compute slots) and then `finish_forward` or, if the forward raised any
 
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass
 
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import planner, prefill, step
-from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError
+from . import prefill, step
+from .errors import CacheReleasedError, NotEnabledError, PagedKVError
 from .pool import KVPool
+from .reuse.pins import TurnPins
 from .reuse.prefix_index import PUBLIC_TENANT
 from .sequence import Sequence
 
@@ -68,16 +70,15 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
             raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
-        if pin_turns < 0 or (pin_turns and not reuse):
-            raise ValueError("pin_turns must be >= 0, and pinned turns are only useful with reuse=True")
-        self.tenant, self.reuse, self.pin_turns, self.priority = tenant, reuse, pin_turns, priority
+        if pin_turns and not reuse:
+            raise ValueError("pin_turns needs reuse=True: pinned turns are only useful to later requests")
+        self.tenant, self.reuse, self.priority = tenant, reuse, priority
+        self.turn_pins = TurnPins(pin_turns)
         self.sequences: list[Sequence] = []
         self.inherited: list[int] = []  # per row: prompt tokens inherited from cached prefixes
         self._pool = pool
         self._model: str | None = None  # fingerprint of the weights that computed this cache's KV
         self._forward: _Forward | None = None
-        self._turn_starts: list[list[int]] = []  # stored row lengths when each turn began
-        self._turns_pinned = False
         self._released = False
 
     # ------------------------------------------------------------- lifecycle
@@ -99,8 +100,9 @@ class PagedCache(Cache):
 
     def _release_rows(self, pool: KVPool, sequences: list[Sequence], offer: bool) -> None:
         shareable = offer and self.reuse and self._model is not None
-        if shareable and self.pin_turns and self._turn_starts and not self._turns_pinned:
-            self._pin_turns([s.length for s in sequences])
+        pin_until = self.turn_pins.at_release([s.length for s in sequences]) if shareable else None
+        if pin_until:
+            self.turn_pins.pin(pool.reuse.pins, self.tenant, [s.blocks for s in sequences], pin_until, pool.block_size)
         for sequence in sequences:
             if shareable:
                 pool.reuse.offer(self._model, self.tenant, sequence)
@@ -122,10 +124,11 @@ class PagedCache(Cache):
     def __deepcopy__(self, memo) -> "PagedCache":
         """A copy that shares every block (copy-on-write) and continues independently."""
         self._check_alive()
-        twin = PagedCache(self._pool, reuse=self.reuse, pin_turns=self.pin_turns, priority=self.priority)
-        twin.tenant, twin._model, twin.inherited = self.tenant, self._model, list(self.inherited)
-        twin._turn_starts, twin._turns_pinned = [list(t) for t in self._turn_starts], self._turns_pinned
-        twin.sequences = [s.copy() for s in self.sequences]
+        if self._forward is not None:
+            raise PagedKVError("a PagedCache cannot be copied during a forward")
+        twin = copy.copy(self)  # settings, pool, model fingerprint
+        twin.sequences, twin.inherited = [s.copy() for s in self.sequences], list(self.inherited)
+        twin.turn_pins = copy.copy(self.turn_pins)
         if self._pool is not None:
             with self._pool.locked():
                 for sequence in twin.sequences:
@@ -144,15 +147,8 @@ class PagedCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
     def __len__(self) -> int:
         return len(self._pool.layers) if self._pool is not None and self._pool.is_bound else 0
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.sequences) if self.sequences else -1
 
     @property
     def is_initialized(self) -> bool:
@@ -190,8 +186,7 @@ class PagedCache(Cache):
         with self._pool.locked():
             for sequence in chosen:
                 self._pool.incref(sequence.blocks)
-            for sequence in self.sequences:
-                self._pool.decref(sequence.blocks)
+            self._drop(self.sequences)
         self.sequences = chosen
         self.inherited = [self.inherited[r] for r in rows] if self.inherited else []
 
@@ -210,24 +205,22 @@ class PagedCache(Cache):
     def reset(self) -> None:
         """Forget all tokens and free the blocks; the cache stays usable."""
         self._check_alive()
-        if self._pool is not None and self.sequences:
-            with self._pool.locked():
-                for sequence in self.sequences:
-                    self._pool.decref(sequence.blocks)
+        self._drop(self.sequences)
         self.sequences, self.inherited = [], []
+
+    def _drop(self, sequences: list[Sequence]) -> None:
+        """Release every block of `sequences`."""
+        if self._pool is not None and sequences:
+            with self._pool.locked():
+                for sequence in sequences:
+                    self._pool.decref(sequence.blocks)
 
     # ------------------------------------------------------ forward lifecycle
     def begin_forward(self, pool: KVPool, model: str, input_ids, attention_mask, shape: tuple[int, int],
                       allow_reuse: bool, logical: bool = False) -> step.StepPlan:
-        """Plan the forward about to run (called by the model's forward wrapper).
-
-        Binds the cache to `pool`; a fresh cache with `allow_reuse` (the caller needs only the
-        last position's logits, as `generate` does) inherits each row's longest cached prefix,
-        and the plan's `skip` says how many leading input columns the forward may drop.
-        Raises PoolExhaustedError before changing anything when the pool cannot hold the new
-        tokens. `model` is the fingerprint of the weights about to run; `logical` asks the plan
-        for logical key positions (to report attention weights).
-        """
+        """Plan the forward about to run on `pool` with the weights fingerprinted `model` (see
+        `prefill.prepare_forward`; `allow_reuse`: only the last logits are needed, as in
+        generate). Raises PoolExhaustedError before changing anything when the pool is full."""
         self._check_alive()
         if self._forward is not None:  # the previous forward never finished (interrupted)
             self.abort_forward()
@@ -240,27 +233,9 @@ class PagedCache(Cache):
             raise PagedKVError(f"batch size changed from {len(self.sequences)} to {batch} rows within one "
                                "PagedCache; use a fresh PagedCache for a new batch")
         reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
-        canonical = prefill.duplicate_rows(ids, real) if fresh and input_ids is not None else np.arange(batch)
-        vectors = prefill.prompt_vectors(pool, ids, real, canonical) if reusing else None
-        sequences = [Sequence() for _ in range(batch)] if fresh else self.sequences
-        inherited = np.zeros(batch, dtype=np.int64)
-        with pool.locked():
-            if reusing:
-                inherited = prefill.inherit_rows(pool, model, self.tenant, sequences, ids, real, canonical, vectors)
-            writers = canonical == np.arange(batch)
-            counts = np.where(writers, real.sum(axis=1) - inherited, 0)
-            try:
-                pool.grow(sequences, counts)
-            except PoolExhaustedError:
-                if fresh:
-                    for sequence in sequences:
-                        pool.decref(sequence.blocks)
-                raise
-            if fresh:
-                prefill.share_duplicates(pool, sequences, canonical)
-            skip = planner.columns_to_skip(real, inherited) if allow_reuse else 0
-            plan = planner.plan_batch(sequences, real, pool.block_size, inherited, writers, skip, logical)
-            pool.mark_written(plan.slot_mapping)
+        sequences, plan, inherited = prefill.prepare_forward(
+            pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
+            allow_reuse, logical)
         before = [] if fresh else [s.length for s in sequences]
         self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before)
         if fresh:
@@ -274,19 +249,16 @@ class PagedCache(Cache):
         if forward is None:
             return
         width = forward.real.shape[1]
-        if width > 1 and self.pin_turns:
-            self._turn_starts.append(forward.lengths_before or [0] * len(self.sequences))
+        pin_until = self.turn_pins.turn_began(forward.lengths_before or [0] * len(self.sequences)) if width > 1 else None
         for b, sequence in enumerate(self.sequences):
-            stored = forward.ids[b][forward.real[b]][forward.inherited[b] :]
-            sequence.history.extend(forward.real[b].astype(np.uint8).tobytes())
-            sequence.tokens.extend(stored.tolist())
-            sequence.length += len(stored)
+            sequence.append(forward.real[b], forward.ids[b][forward.real[b]][forward.inherited[b] :])
         if self.reuse and self._model is not None:
             with self._pool.locked():
                 for sequence in self.sequences:
                     self._pool.reuse.index_sequence(self._model, self.tenant, sequence, self.priority)
-                if len(self._turn_starts) == self.pin_turns + 1 and not self._turns_pinned:
-                    self._pin_turns(self._turn_starts[-1])
+                if pin_until:
+                    self.turn_pins.pin(self._pool.reuse.pins, self.tenant, [s.blocks for s in self.sequences], pin_until,
+                                       self._pool.block_size)
 
     def abort_forward(self) -> None:
         """The forward raised (any exception, KeyboardInterrupt included): undo its planning.
@@ -294,32 +266,20 @@ class PagedCache(Cache):
         forward, self._forward = self._forward, None
         if forward is None:
             return
+        if not forward.lengths_before:  # a fresh cache: give everything back
+            self._drop(self.sequences)
+            self.sequences, self.inherited = [], []
+            return
         with self._pool.locked():
-            if not forward.lengths_before:  # a fresh cache: give everything back
-                for sequence in self.sequences:
-                    self._pool.decref(sequence.blocks)
-                self.sequences, self.inherited = [], []
-                return
             for sequence, length in zip(self.sequences, forward.lengths_before):
                 self._pool.decref(sequence.truncate(length, self._pool.block_size))
 
     def _bind(self, pool: KVPool, model: str) -> None:
-        if self._pool is None:
-            self._pool = pool
-        elif self._pool is not pool:
+        if self._pool not in (None, pool):
             raise PagedKVError("this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model")
-        if self._model is None and not self.sequences:
-            self._model = model
-        elif self._model != model:  # other weights now: keep computing, never share what this cache holds
-            self._model = None
-
-    def _pin_turns(self, lengths: list[int]) -> None:
-        """Pin each row's full blocks before `lengths` (the end of the first pin_turns turns)."""
-        size = self._pool.block_size
-        for sequence, length in zip(self.sequences, lengths):
-            if length >= size:
-                self._pool.reuse.pins.add(sequence.blocks[: length // size], self.tenant, 0, None, "turns")
-        self._turns_pinned = True
+        self._pool = pool
+        # other weights than the ones that computed this cache's KV: keep computing, never share it
+        self._model = model if not self.sequences or self._model == model else None
 
     # ---------------------------------------------------------- inspection
     def row_lengths(self) -> list[int]:

@@ -281,5 +281,5 @@ def _fingerprint(model, config_digest: str, pool: KVPool) -> str:
     for name, param in params:
         digest.update(f"{name}{tuple(param.shape)}".encode())
     dtype = pool.dtype or _model_dtype(model)
-    return (f"{type(model).__name__}|{model.config._name_or_path}|{config_digest}|{digest.hexdigest()}"
+    return (f"{type(model).__name__}|{model.config.name_or_path}|{config_digest}|{digest.hexdigest()}"
             f"|block_size={pool.block_size}|dtype={dtype}")

@@ -32,8 +32,6 @@ from .reuse.manager import ReuseManager
 from .reuse.pins import check_settings
 from .sequence import Sequence
 from .tiers.chain import TierChain
-from .tiers.disk import DiskTier
-from .tiers.host import HostTier
 
 
 @dataclass(frozen=True)
@@ -106,16 +104,9 @@ class KVPool:
         self.allocator = BlockAllocator(self.num_blocks)
         self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
                                   self.options["pin_budget"], self.options["hot_threshold"])
-        self.tiers = TierChain(self.policy, *self._lower_tiers(model))
-
-    def _lower_tiers(self, model: str) -> tuple[HostTier | None, DiskTier | None]:
         shapes = [(self.block_size, s.num_kv_heads, s.head_dim) for s in self.layers]
-        host = disk = None
-        if self.options["host_blocks"]:
-            host = HostTier(self.options["host_blocks"], shapes, self.dtype, self.policy, self.layers[0].device)
-        if self.options["disk_dir"] is not None:
-            disk = DiskTier(self.options["disk_dir"], self.options["disk_bytes"], shapes, self.dtype, self.policy, model)
-        return host, disk
+        self.tiers = TierChain.build(self.policy, shapes, self.dtype, self.layers[0].device, model,
+                                     self.options["host_blocks"], self.options["disk_dir"], self.options["disk_bytes"])
 
     @property
     def bytes_per_block(self) -> int:
@@ -267,23 +258,12 @@ class KVPool:
         the counts. Once every request has finished, `references` equals the references of
         pins and semantic entries: anything more is a leak."""
         with self.locked():
-            a, index = self.allocator, self.reuse.index
-            held_by_nobody = ~a.free & (a.refcount == 0) & ~a.cached
-            problems = {
-                "negative reference counts": np.flatnonzero(a.refcount < 0),
-                "free blocks with references": np.flatnonzero(a.free & (a.refcount != 0)),
-                "free blocks marked cached": np.flatnonzero(a.free & a.cached),
-                "blocks neither free, referenced nor cached": np.flatnonzero(held_by_nobody),
-                "cached flags that disagree with the index": np.flatnonzero(
-                    a.cached != np.isin(np.arange(self.num_blocks), list(index.metas))),
-            }
-            problems = {name: blocks.tolist()[:10] for name, blocks in problems.items() if len(blocks)}
-            if problems or a.num_free != int(a.free.sum()):
-                raise PagedKVError(f"KVPool bookkeeping is inconsistent: {problems}, "
-                                   f"num_free={a.num_free} vs {int(a.free.sum())} free")
+            problems = self.allocator.problems(set(self.reuse.index.metas))
+            if problems:
+                raise PagedKVError(f"KVPool bookkeeping is inconsistent: {problems}")
+            a = self.allocator
             return {"blocks_free": a.num_free, "blocks_cached": a.idle_cached(), "blocks_in_use": a.in_use(),
                     "references": int(a.refcount.sum())} | self.reuse.references()
-
 
     def stats(self) -> dict:
         """A snapshot: sizes, occupancy, high-water mark, reuse counters, pins and tiers."""

@@ -40,12 +40,12 @@ class Sequence:
         """The last block if it is partly filled (the next token goes into it), else None."""
         return self.blocks[self.length // block_size] if self.length % block_size else None
 
-    def append(self, real: np.ndarray, ids: np.ndarray) -> None:
+    def append(self, real: np.ndarray, stored_ids: np.ndarray) -> None:
         """Record a finished forward: `real` marks its stored positions (bool per logical
-        position), `ids` the token id of each position (-1 where unknown)."""
+        position), `stored_ids` the ids of the tokens it stored (-1 where unknown)."""
         self.history.extend(real.astype(np.uint8).tobytes())
-        self.tokens.extend(ids[real].tolist())
-        self.length += int(real.sum())
+        self.tokens.extend(stored_ids.tolist())
+        self.length += len(stored_ids)
 
     def truncate(self, length: int, block_size: int) -> list[int]:
         """Keep the first `length` stored tokens; returns the block ids no longer needed."""

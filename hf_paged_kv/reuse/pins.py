@@ -166,3 +166,35 @@ class PinRegistry:
                 for p in self.pins.values()
             ],
         }
+
+
+class TurnPins:
+    """`PagedCache(pin_turns=N)`: pin the first N turns of a conversation, where a turn is a
+    forward of more than one token (one `generate` call). Their blocks are pinned when turn
+    N + 1 begins, or when the cache is released after fewer turns."""
+
+    def __init__(self, turns: int):
+        if turns < 0:
+            raise ValueError(f"pin_turns must be >= 0, got {turns}")
+        self.turns = turns
+        self.starts: tuple[tuple[int, ...], ...] = ()  # stored row lengths when each turn began
+        self.pinned = False
+
+    def turn_began(self, lengths: list[int]) -> list[int] | None:
+        """Record a turn; returns the row lengths to pin up to, once the first N turns are over."""
+        if not self.turns or self.pinned:
+            return None
+        self.starts += (tuple(lengths),)
+        return list(self.starts[-1]) if len(self.starts) == self.turns + 1 else None
+
+    def at_release(self, lengths: list[int]) -> list[int] | None:
+        """Row lengths to pin up to when the conversation ends before turn N + 1."""
+        return lengths if self.turns and self.starts and not self.pinned else None
+
+    def pin(self, registry: PinRegistry, tenant: str, tables: list[list[int]], lengths: list[int],
+            block_size: int) -> None:
+        """Pin each row's whole blocks before `lengths` (under the pool's lock)."""
+        for table, length in zip(tables, lengths):
+            if length >= block_size:
+                registry.add(table[: length // block_size], tenant, 0, None, "turns")
+        self.pinned = True

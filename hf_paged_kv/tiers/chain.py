@@ -21,6 +21,14 @@ class TierChain:
     def __init__(self, policy: Policy, host: HostTier | None = None, disk: DiskTier | None = None):
         self.policy, self.host, self.disk = policy, host, disk
 
+    @classmethod
+    def build(cls, policy: Policy, block_shapes, dtype: torch.dtype, device: torch.device, model: str,
+              host_blocks: int | None, disk_dir, disk_bytes: int) -> "TierChain":
+        """The tiers a KVPool asked for: `host_blocks` of host memory, a disk directory."""
+        host = HostTier(host_blocks, block_shapes, dtype, policy, device) if host_blocks else None
+        disk = DiskTier(disk_dir, disk_bytes, block_shapes, dtype, policy, model) if disk_dir is not None else None
+        return cls(policy, host, disk)
+
     @property
     def empty(self) -> bool:
         return self.host is None and self.disk is None
