@@ -32,12 +32,11 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import backends, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
-from .model_checks import layer_specs
+from .model_checks import REFUSED_KWARGS, check_config, probe
 from .pool import KVPool
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
 _STATE_ATTR = "hf_paged_kv_state"
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "position_bias")
 _PREVIOUS: dict[int, str] = {}  # id(model config) -> the attention implementation before enable
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
 
@@ -74,17 +73,23 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         if pool is not None and pool is not state.pool:
             raise PagedKVError("model is already enabled with another pool; call hf_paged_kv.disable(model) first")
         return state.pool
-    layers = layer_specs(model)
-    backend_name = backends.choose(backend, [spec.device for spec in layers])
+    check_config(model)
     pool = pool if pool is not None else KVPool()
-    config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
-    dtype = _model_dtype(model)
-    fingerprint = _fingerprint(model, config_digest, pool)
-    pool.bind(layers, dtype, fingerprint)
     _register()
     previous = model.config._attn_implementation or "sdpa"
     _PREVIOUS[id(model.config)] = previous
     model.set_attn_implementation(ATTENTION_NAME)
+    try:
+        layers = probe(model)  # one token through the model: which layers, what KV shapes
+        backend_name = backends.choose(backend, [spec.device for spec in layers])
+        config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
+        dtype = _model_dtype(model)
+        fingerprint = _fingerprint(model, config_digest, pool)
+        pool.bind(layers, dtype, fingerprint)
+    except BaseException:
+        model.set_attn_implementation(previous)
+        _PREVIOUS.pop(id(model.config), None)
+        raise
     original = model.forward
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
                          dtype, _devices(model), "forward" in vars(model))
@@ -210,13 +215,16 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     """The registered attention function: writes the layer's new K/V into the pool, then
     `query` `[B, heads, T, dim]` attends to the stored sequence. Returns `([B, T, heads, dim],
     weights or None)` as transformers expects."""
+    recording = step.probe_recording()
+    if recording is not None:  # enable is checking the model
+        recording.record(module, key, value, kwargs)
     current = step.current()
     if current is None:  # this forward uses another cache (or none): the model's own attention
         return _previous_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
-    for name in _UNSUPPORTED_KWARGS:
+    for name, feature in REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"attention argument {name!r} is not supported by the paged backends")
+            raise UnsupportedModelError(f"attention argument {name!r} ({feature}) is not supported by the paged backends")
     if dropout:
         raise PagedKVError("PagedCache is for inference: attention dropout must be 0 (call model.eval())")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5

@@ -1,44 +1,101 @@
 """Which models hf_paged_kv can page, and the shape of their KV.
 
-A model qualifies when it is decoder-only and every attention layer goes through transformers'
-attention interface with a `layer_idx`: the registered attention function then sees every
-layer's queries, keys and values. What the paged backends reproduce exactly: full causal
-attention, sliding windows, grouped-query heads and attention-logit soft-capping. The rest is
-refused here, at `enable`, with the reason.
+A model qualifies when it is decoder-only, keeps nothing but keys and values in its cache, and
+calls transformers' attention interface exactly once per layer with that layer's `layer_idx`:
+then the registered attention function sees every layer's queries, keys and values. What the
+paged backends reproduce exactly: causal attention, sliding windows, grouped-query heads and
+attention-logit soft-capping.
+
+Rather than trusting attribute names (`head_dim`, `head_size`, `attention_head_size`) and flags
+(`_supports_attention_backend`, absent on some models that do call the interface), `enable`
+runs one token through the model with a recorder in place of attention (`probe`): the layers it
+saw and the shapes of their keys and values decide. Everything else is refused here, with the
+reason, before a block is allocated.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from . import step
 from .errors import UnsupportedModelError
 from .pool import LayerSpec
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
+REFUSED_KWARGS = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "position_bias": "a relative position bias",
+    "indices": "sparse (top-k) attention",
+    "block_indices": "block-sparse attention",
+}
 
 
-def layer_specs(model) -> list[LayerSpec]:
-    """One LayerSpec per attention layer, or UnsupportedModelError saying why not."""
+@dataclass
+class Recording:
+    """What the attention interface received during the probe forward."""
+
+    calls: dict = field(default_factory=lambda: defaultdict(list))  # layer_idx -> [(key shape, value shape, device)]
+    kwargs: set = field(default_factory=set)  # names of the non-None extra arguments
+
+    def record(self, module, key: torch.Tensor, value: torch.Tensor, kwargs: dict) -> None:
+        self.calls[getattr(module, "layer_idx", None)].append((tuple(key.shape), tuple(value.shape), key.device))
+        self.kwargs |= {name for name, value in kwargs.items() if value is not None}
+
+
+def check_config(model) -> None:
+    """What the config alone rules out."""
     config = model.config.get_text_config(decoder=True)
-    if getattr(model.config, "is_encoder_decoder", False):
+    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
         raise UnsupportedModelError("encoder-decoder models are not supported: PagedCache is for decoder-only models")
-    if not getattr(model, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{type(model).__name__} does not use transformers' attention interface, so its attention cannot be paged"
-        )
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not kinds <= SUPPORTED_LAYER_TYPES:
-        raise UnsupportedModelError(f"layer types {sorted(kinds)} are not supported (only full and sliding attention)")
-    attention = {}
-    for module in model.modules():
-        if type(module).__name__.endswith("Attention") and isinstance(getattr(module, "layer_idx", None), int):
-            if getattr(module, "is_cross_attention", False):
-                raise UnsupportedModelError("cross-attention is not supported")
-            attention[module.layer_idx] = module
-    if sorted(attention) != list(range(config.num_hidden_layers)):
         raise UnsupportedModelError(
-            f"found attention modules for layers {sorted(attention)}, expected 0..{config.num_hidden_layers - 1}"
+            f"layer types {sorted(kinds - SUPPORTED_LAYER_TYPES)} are not supported: only full and sliding attention "
+            "(hybrid models keep recurrent or convolution state that a KV cache cannot hold)"
         )
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return [
-        LayerSpec(kv_heads, attention[i].head_dim, next(attention[i].parameters()).device)
-        for i in range(config.num_hidden_layers)
-    ]
+
+
+def probe(model) -> list[LayerSpec]:
+    """Run one token through `model` (whose attention implementation is already hf_paged_kv's)
+    and return one LayerSpec per layer, or UnsupportedModelError saying why not."""
+    check_config(model)
+    config = model.config.get_text_config(decoder=True)
+    token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
+    device = model.get_input_embeddings().weight.device
+    recording = Recording()
+    with torch.no_grad(), step.probing(recording):
+        try:
+            model(input_ids=torch.tensor([[token]], device=device), use_cache=False)
+        except UnsupportedModelError:
+            raise
+        except Exception as error:  # a model this check cannot even run
+            raise UnsupportedModelError(f"{type(model).__name__} could not run a one-token forward: {error}") from error
+    return _layer_specs(model, config, recording)
+
+
+def _layer_specs(model, config, recording: Recording) -> list[LayerSpec]:
+    name, calls = type(model).__name__, recording.calls
+    if not calls:
+        raise UnsupportedModelError(f"{name} does not use transformers' attention interface (its attention is "
+                                    "written inside the model), so its attention cannot be paged")
+    refused = sorted({reason for kwarg, reason in REFUSED_KWARGS.items() if kwarg in recording.kwargs})
+    if refused:
+        raise UnsupportedModelError(f"{name} uses {', '.join(refused)}, which the paged backends do not implement")
+    layers = list(range(config.num_hidden_layers))
+    if sorted(calls, key=lambda i: (i is None, i)) != layers:
+        raise UnsupportedModelError(
+            f"{name} calls attention for layer indices {sorted(calls, key=str)}, not once for each of its "
+            f"{len(layers)} layers (hybrid layers, shared or re-used attention blocks)")
+    for layer, seen in calls.items():
+        if len(seen) != 1:
+            raise UnsupportedModelError(f"{name} calls attention {len(seen)} times in layer {layer}; "
+                                        "hf_paged_kv needs one call per layer")
+        (key_shape, value_shape, _), = seen
+        if key_shape[1] != value_shape[1] or key_shape[-1] != value_shape[-1]:
+            raise UnsupportedModelError(f"{name} has keys {key_shape} and values {value_shape} of different shapes "
+                                        "(multi-head latent attention); the pool stores both in one layout")
+    return [LayerSpec(calls[i][0][0][1], calls[i][0][0][-1], calls[i][0][2]) for i in layers]

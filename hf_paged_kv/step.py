@@ -105,3 +105,17 @@ def activate(plan: StepPlan, backend, need_weights: bool = False):
 
 def current() -> Step | None:
     return getattr(_local, "step", None)
+
+
+@contextmanager
+def probing(recording):
+    """While `enable` checks a model: the attention function records what it receives."""
+    _local.probe = recording
+    try:
+        yield recording
+    finally:
+        _local.probe = None
+
+
+def probe_recording():
+    return getattr(_local, "probe", None)

@@ -13,8 +13,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -47,6 +51,12 @@ ARCHITECTURES = {
         Qwen3Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16, **DECODER)
     ),
     "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=1024, **COMMON)),
+    # no `head_dim` attribute (it has `head_size`), no `_supports_attention_backend` flag either
+    "gpt_neox": lambda: GPTNeoXForCausalLM(GPTNeoXConfig(num_attention_heads=4, **DECODER)),
+    # attention-logit soft-capping; transformers' sdpa ignores it, so the reference is eager
+    "gemma2": lambda: Gemma2ForCausalLM(Gemma2Config(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                     sliding_window=16, attn_logit_softcapping=2.0,
+                                                     attn_implementation="eager", **DECODER)),
 }
 
 

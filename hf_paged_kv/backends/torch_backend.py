@@ -50,7 +50,8 @@ class TorchBackend:
         if query.shape[0] != plan.num_sequences:  # the serving engine's packed row
             return self._packed(query, keys, values, plan, scale, window, softcap), None
         if need_weights or softcap:
-            return self._padded(query, keys, values, plan, scale, window, softcap, explicit=True)
+            out, weights = self._padded(query, keys, values, plan, scale, window, softcap, explicit=True)
+            return out, weights if need_weights else None
         if plan.decode_only and (window is None or plan.q_logical is None):
             return self._decode(query, keys, values, plan, scale, window), None
         return self._padded(query, keys, values, plan, scale, window)
@@ -136,7 +137,8 @@ class TorchBackend:
         standard = (lens == lens[0]).all() and (
             plan.q_pos.reshape(batch, width) == lens[:, None] - width + np.arange(width)
         ).all()
-        if standard and width in (1, length) and (window is None or length <= window):
+        window_is_moot = window is None or (length <= window and plan.q_logical is None)  # logical gaps count
+        if standard and width in (1, length) and window_is_moot:
             return None, width > 1
         q_logical = plan.on("q_logical", device).view(batch, width) if plan.q_logical is not None else None
         k_logical = plan.on("k_logical", device) if plan.k_logical is not None else None
