@@ -125,6 +125,11 @@ class KVPool:
         """Queue `work()` for the next `locked()` (from a finalizer, which must not take locks)."""
         self._deferred.append(work)
 
+    def settle(self) -> None:
+        """Run the work finalizers queued (releases of garbage-collected caches) now."""
+        with self.locked():
+            pass
+
     # ---------------------------------------------------------------- allocator
     def allocate(self, count: int, after: int | None = None) -> list[int]:
         """Take `count` blocks (reference count 1 each), continuing the run ending at `after`

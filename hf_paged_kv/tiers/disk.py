@@ -32,7 +32,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..policy import BlockMeta, Policy
@@ -81,7 +81,7 @@ class DiskTier:
         try:
             save_file(tensors, partial, metadata=header)
             os.replace(partial, path)
-        except OSError as error:
+        except (OSError, SafetensorError) as error:  # permissions, a full or read-only file system
             self._write_failed(partial, error)
             return False
         wall = replace(meta, weight=weight, last_access=float(header["written"]))
@@ -90,7 +90,7 @@ class DiskTier:
         self._enforce_budget(keep=meta.digest)
         return True
 
-    def _write_failed(self, partial: Path, error: OSError) -> None:
+    def _write_failed(self, partial: Path, error: Exception) -> None:
         try:
             partial.unlink(missing_ok=True)
         except OSError:

@@ -1,0 +1,102 @@
+"""The disk tier under faults: damaged files of any kind are skipped and counted, never loaded and
+never fatal; a directory that cannot be written leaves the pool consistent."""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache
+
+BLOCK = 8
+
+
+def tokens(n, seed):
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def persisted(tmp_path_factory):
+    """One block persisted by a first "process"; its file's bytes and header length."""
+    directory = tmp_path_factory.mktemp("disk")
+    writer = make_model("llama", seed=71)
+    hf_paged_kv.enable(writer, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=directory))
+    prefix = tokens(BLOCK, 1)
+    assert hf_paged_kv.persist(writer, prefix) == BLOCK
+    hf_paged_kv.disable(writer)
+    (path,) = directory.glob("*.kvblock")
+    data = path.read_bytes()
+    return path.name, data, 8 + int.from_bytes(data[:8], "little"), prefix
+
+
+def header_positions(header_end: int) -> list[int]:
+    """Bytes of the header to damage: the length field, then a spread over the JSON (key names,
+    the digest, shapes, offsets, the fill and weight fields, the checksum)."""
+    return list(range(8)) + list(range(8, header_end, max(1, (header_end - 8) // 40)))
+
+
+def test_any_flipped_bit_in_a_header_is_skipped_and_counted(persisted, tmp_path):
+    name, data, header_end, prefix = persisted
+    model = make_model("llama", seed=71)
+    prompt = torch.cat([prefix, tokens(5, 2)], 1)
+    expected = greedy(model, DynamicCache(), prompt, torch.ones_like(prompt), new_tokens=3)
+    for position in header_positions(header_end):
+        for bit in (0, 6):
+            damaged = bytearray(data)
+            damaged[position] ^= 1 << bit
+            directory = tmp_path / f"at{position}-{bit}"
+            directory.mkdir()
+            (directory / name).write_bytes(bytes(damaged))
+            with warnings.catch_warnings(record=True):
+                warnings.simplefilter("always")
+                pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=directory))
+                with PagedCache() as cache:
+                    got = greedy(model, cache, prompt, torch.ones_like(prompt), new_tokens=3)
+                    inherited = cache.inherited[0]
+            stats = pool.stats()
+            hf_paged_kv.disable(model)
+            assert inherited == 0 and stats["disk_hits"] == 0, (position, bit)  # never loaded
+            assert stats["disk_rejects"] >= 1, (position, bit)  # and counted
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+            assert_pool_clean(pool)  # no block leaked
+
+
+def test_an_intact_file_is_reused(persisted, tmp_path):
+    name, data, _, prefix = persisted
+    (tmp_path / name).write_bytes(data)
+    model = make_model("llama", seed=71)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=tmp_path))
+    prompt = torch.cat([prefix, tokens(5, 2)], 1)
+    with PagedCache() as cache:
+        greedy(model, cache, prompt, torch.ones_like(prompt), new_tokens=3)
+        assert cache.inherited == [BLOCK]
+    assert pool.stats()["disk_hits"] == 1 and pool.stats()["disk_rejects"] == 0
+    hf_paged_kv.disable(model)
+
+
+def test_unwritable_directory_drops_blocks_cleanly(tmp_path):
+    directory = tmp_path / "tier"
+    model = make_model("llama", seed=72)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=12, block_size=BLOCK, disk_dir=directory))
+    shutil.rmtree(directory)
+    directory.write_text("not a directory any more")  # every write now fails, whatever the permissions
+    prompts = [tokens(30, seed) for seed in range(3, 7)]
+    with pytest.warns(UserWarning, match="cannot write to") as caught:
+        for ids in prompts:  # each request evicts the previous one's blocks towards the disk
+            with PagedCache() as cache:
+                got = greedy(model, cache, ids, torch.ones_like(ids), new_tokens=3)
+            hf_paged_kv.disable(model)
+            torch.testing.assert_close(got, greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=3),
+                                       rtol=0, atol=0)
+            hf_paged_kv.enable(model, pool=pool)
+    assert len([w for w in caught if "cannot write to" in str(w.message)]) == 1  # warned once
+    stats = pool.stats()
+    assert stats["disk_write_errors"] > 0 and stats["disk_blocks"] == 0
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
