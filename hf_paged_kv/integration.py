@@ -227,6 +227,9 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
             raise UnsupportedModelError(f"attention argument {name!r} ({feature}) is not supported by the paged backends")
     if dropout:
         raise PagedKVError("PagedCache is for inference: attention dropout must be 0 (call model.eval())")
+    if key.shape[2] != query.shape[2]:
+        raise UnsupportedModelError("the attention received other keys than its queries' tokens (cross-attention?); "
+                                    "hf_paged_kv pages decoder self-attention only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer, plan = module.layer_idx, current.plan
     current.backend.write(plan, layer, key, value)

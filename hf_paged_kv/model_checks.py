@@ -49,8 +49,14 @@ class Recording:
 def check_config(model) -> None:
     """What the config alone rules out."""
     config = model.config.get_text_config(decoder=True)
-    if getattr(model.config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
-        raise UnsupportedModelError("encoder-decoder models are not supported: PagedCache is for decoder-only models")
+    seq2seq = getattr(model.config, "is_encoder_decoder", False) or getattr(type(model.config)(), "is_encoder_decoder",
+                                                                           False)  # a seq2seq model's decoder alone
+    cross = getattr(config, "add_cross_attention", False) or any(
+        getattr(m, "is_cross_attention", False) or name.endswith(("encoder_attn", "crossattention"))
+        for name, m in model.named_modules())
+    if seq2seq or cross:
+        raise UnsupportedModelError("encoder-decoder models and cross-attention are not supported: PagedCache is for "
+                                    "decoder-only models")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not kinds <= SUPPORTED_LAYER_TYPES:
         raise UnsupportedModelError(
@@ -64,7 +70,8 @@ def probe(model) -> list[LayerSpec]:
     and return one LayerSpec per layer, or UnsupportedModelError saying why not."""
     check_config(model)
     config = model.config.get_text_config(decoder=True)
-    token = config.bos_token_id if isinstance(config.bos_token_id, int) else 0
+    bos = getattr(config, "bos_token_id", None)  # 5.x configs hold only the token ids they declare
+    token = bos if isinstance(bos, int) else 0
     device = model.get_input_embeddings().weight.device
     recording = Recording()
     with torch.no_grad(), step.probing(recording):

@@ -222,12 +222,13 @@ class KVPool:
         np.maximum.at(self.allocator.fill, slots // self.block_size, (slots % self.block_size + 1).astype(np.int32))
 
     # -------------------------------------------------------------- reuse glue
-    def promote(self, digest: bytes, model: str) -> tuple[int, BlockMeta, str] | None:
-        """Bring `digest` back from the host or disk tier into a fresh device block (referenced)."""
+    def promote(self, digest: bytes, model: str, after: int | None = None) -> tuple[int, BlockMeta, str] | None:
+        """Bring `digest` back from the host or disk tier into a fresh device block (referenced),
+        right after block `after` when that one is free."""
         tier = self.tiers.has(digest)
         if tier is None or self.num_available() < 1:
             return None
-        (block,) = self.allocate(1)  # may demote other blocks, and push `digest` further down: ask again
+        (block,) = self.allocate(1, after)  # may demote other blocks, and push `digest` further down: ask again
         meta = self.tiers.promote(digest, model, block, self.block_layers(block))
         if meta is None:
             self.decref([block])
@@ -250,12 +251,6 @@ class KVPool:
         with self.locked():
             self.reuse.forget(model=model)
             self.tiers.forget(model=model)
-
-    def probe(self, model: str, tokens, tenant: str = "default") -> dict[str, int]:
-        """Tokens of the longest cached prefix of `tokens` for the model with fingerprint
-        `model` (see `hf_paged_kv.cached_tokens`), by tier."""
-        with self.locked():
-            return self.reuse.probe(model, tenant, np.asarray(tokens, dtype=np.int64), self.tiers.has)
 
     # -------------------------------------------------------------------- stats
     def audit(self) -> dict[str, int]:

@@ -76,7 +76,7 @@ def inherit_rows(pool: KVPool, model: str, tenant: str, sequences: list[Sequence
             continue
         tokens = ids[b][real[b]]
         blocks, length = pool.reuse.inherit(model, tenant, tokens, len(tokens) - 1,
-                                            lambda digest: pool.promote(digest, model), vectors[b])
+                                            lambda digest, after: pool.promote(digest, model, after), vectors[b])
         sequence.blocks, sequence.length, sequence.tokens = blocks, length, tokens[:length].tolist()
         inherited[b] = length
     inherited[:] = inherited[canonical]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from .cache import PagedCache
@@ -73,8 +74,9 @@ def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dic
     """How many leading tokens of `prefix` a new request of `tenant` would inherit from whole
     cached blocks, by the tier each block is in now: `{"device": n, "host": n, "disk": n}`.
     Nothing is computed, moved or counted as a hit."""
-    tokens = _token_ids(prefix, tokenizer)
-    return pool_of(model).probe(current_fingerprint(model), tokens, tenant)
+    pool, tokens = pool_of(model), np.asarray(_token_ids(prefix, tokenizer), dtype=np.int64)
+    with pool.locked():
+        return pool.reuse.probe(current_fingerprint(model), tenant, tokens, pool.tiers.has)
 
 
 def _token_ids(prefix, tokenizer) -> list[int]:

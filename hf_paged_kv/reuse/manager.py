@@ -22,8 +22,9 @@ from .semantic import SemanticIndex
 COUNTERS = ("lookups", "lookup_tokens", "hit_tokens_prefix", "hit_tokens_semantic", "hit_tokens_host",
             "hit_tokens_disk")
 
-# promote(digest) -> (device block holding it, its meta, "host" | "disk") or None
-Promote = Callable[[bytes], "tuple[int, BlockMeta, str] | None"]
+# promote(digest, after) -> (device block holding it, its meta, "host" | "disk") or None; `after`:
+# the block before it in the prefix (placed next to it when free, so the prefix stays contiguous)
+Promote = Callable[[bytes, "int | None"], "tuple[int, BlockMeta, str] | None"]
 
 
 class ReuseManager:
@@ -75,7 +76,8 @@ class ReuseManager:
             if block is not None:
                 self.allocator.incref([block])
             else:
-                promoted = promote(mine) or promote(published)
+                after = found[-1] if found else None
+                promoted = promote(mine, after) or promote(published, after)
                 if promoted is None:
                     break
                 block, meta, tier = promoted

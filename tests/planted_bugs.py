@@ -1,0 +1,98 @@
+"""A pytest plugin that plants one deliberate attention bug in the library, chosen by the
+environment variable HF_PAGED_KV_PLANT; `test_planted_bugs.py` runs the equality tests with it
+and checks that they catch it.
+
+    HF_PAGED_KV_PLANT=scale python -m pytest -p planted_bugs test_generate.py
+
+Each bug is the kind that nearly uniform attention (weak test models) would hide: the wrong
+softmax scale, query heads paired with the wrong KV heads, a reused prefix at the wrong
+positions, one stored key missing, keys paired with the wrong values inside a block, and a
+small numeric skew that only decode steps see.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from hf_paged_kv import integration
+from hf_paged_kv.backends.torch_backend import TorchBackend
+from hf_paged_kv.kernels import reference
+
+BUGS = ("scale", "heads_rotated", "reused_positions_shifted", "cached_key_dropped", "kv_permuted_in_block",
+        "decode_skew")
+
+
+def pytest_configure(config):
+    bug = os.environ.get("HF_PAGED_KV_PLANT")
+    if bug is None:
+        return
+    if bug not in BUGS:
+        raise ValueError(f"unknown bug {bug!r}; one of {BUGS}")
+    globals()[f"plant_{bug}"]()
+
+
+def plant_scale():
+    attention = TorchBackend.attention
+    TorchBackend.attention = lambda self, q, layer, plan, scale, *a, **k: attention(self, q, layer, plan, scale * 1.1,
+                                                                                  *a, **k)
+
+
+def plant_heads_rotated():
+    attention = TorchBackend.attention
+    TorchBackend.attention = lambda self, q, *a, **k: attention(self, q.roll(1, dims=1), *a, **k)
+
+
+def plant_reused_positions_shifted():
+    drop = integration._drop_columns
+
+    def shifted(args, kwargs, skip, past):
+        args, kwargs = drop(args, kwargs, skip, past)
+        kwargs["position_ids"] = kwargs["position_ids"] + 1
+        return args, kwargs
+
+    integration._drop_columns = shifted
+
+
+def plant_cached_key_dropped():
+    sdpa = reference.sdpa
+
+    def without_first_key(query, keys, values, mask, scale, is_causal=False):
+        length = keys.shape[2]
+        if length < 2:
+            return sdpa(query, keys, values, mask, scale, is_causal)
+        if mask is None:
+            positions = torch.arange(length, device=query.device)
+            width = query.shape[2]
+            mask = (positions[None, :] <= positions[-width:, None]) if is_causal else torch.ones(width, length,
+                                                                                               dtype=torch.bool)
+            mask = mask[None, None]
+        return sdpa(query, keys[:, :, 1:], values[:, :, 1:], mask[..., 1:], scale)
+
+    reference.sdpa = without_first_key
+
+
+def plant_kv_permuted_in_block():
+    def permuted(self, plan, layer, key, value):
+        """Each token's value goes one slot further within its block than its key."""
+        src, dst = self._write_indices(plan, key.device)
+        if src.numel() == 0:
+            return
+        size, heads, dim = plan.block_size, key.shape[1], key.shape[3]
+        flat = lambda states: states.transpose(1, 2).reshape(-1, heads, dim).index_select(0, src)  # noqa: E731
+        shifted = dst - dst % size + (dst % size + 1) % size
+        self.pool.key_cache[layer].view(-1, heads, dim).index_copy_(0, dst, flat(key))
+        self.pool.value_cache[layer].view(-1, heads, dim).index_copy_(0, shifted, flat(value))
+
+    TorchBackend.write = permuted
+
+
+def plant_decode_skew():
+    attention = TorchBackend.attention
+
+    def skewed(self, query, *args, **kwargs):
+        out, weights = attention(self, query, *args, **kwargs)
+        return (out * 1.05 if query.shape[2] == 1 else out), weights
+
+    TorchBackend.attention = skewed
