@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import PagedKVError
 from .sequence import Sequence
 from .step import StepPlan
 
@@ -49,7 +50,9 @@ def plan_batch(
     q_pos = before[:, None] + rank  # a pad sees the real tokens before it; -1 when there are none
     written = real & (rank >= inherited[:, None]) & writers[:, None]
     tables = _table_array(sequences)
-    blocks = np.take_along_axis(tables, np.where(written, q_pos // block_size, 0), axis=1)
+    index = np.where(written, q_pos // block_size, 0)
+    blocks = np.take_along_axis(tables, np.minimum(index, tables.shape[1] - 1), axis=1)
+    _check_blocks(np.where(index < tables.shape[1], blocks, -1)[written])
     slots = np.where(written, blocks.astype(np.int64) * block_size + q_pos % block_size, -1)
     kv_lens = before + real.sum(axis=1)
     plan = StepPlan(
@@ -78,7 +81,8 @@ def plan_packed(sequences: list[Sequence], counts: list[int], block_size: int) -
     owner = np.repeat(np.arange(len(sequences)), counts_array)
     q_pos = starts[owner] + np.arange(int(q_start[-1])) - q_start[owner]
     tables = _table_array(sequences)
-    blocks = tables[owner, q_pos // block_size].astype(np.int64)
+    blocks = tables[owner, np.minimum(q_pos // block_size, tables.shape[1] - 1)].astype(np.int64)
+    _check_blocks(np.where(q_pos // block_size < tables.shape[1], blocks, -1))
     kv_lens = starts + counts_array
     return StepPlan(
         batch_shape=(1, int(q_start[-1])),
@@ -99,6 +103,12 @@ def columns_to_skip(real: np.ndarray, inherited: np.ndarray) -> int:
     needed = real & (rank >= np.asarray(inherited)[:, None])
     needed[:, -1] = True
     return int(needed.argmax(axis=1).min()) if len(real) else 0
+
+
+def _check_blocks(blocks: np.ndarray) -> None:
+    if (blocks < 0).any():
+        raise PagedKVError("a sequence has no block for a token this forward writes: give it blocks first "
+                           "(KVPool.grow) and plan afterwards")
 
 
 def _table_array(sequences: list[Sequence]) -> np.ndarray:

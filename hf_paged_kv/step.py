@@ -78,8 +78,17 @@ class StepPlan:
         """Field `name` as a tensor on `device`, copied once per forward."""
         key = (name, device)
         if key not in self.memo:
-            self.memo[key] = torch.from_numpy(np.ascontiguousarray(getattr(self, name))).to(device, non_blocking=True)
+            self.memo[key] = to_device(getattr(self, name), device)
         return self.memo[key]
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a tensor on `device`. To a GPU through page-locked memory, so the copy is
+    queued on the stream and the host never waits for the GPU (pageable copies synchronize)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
 
 
 @dataclass

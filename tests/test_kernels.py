@@ -258,3 +258,36 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
     hf_paged_kv.enable(model)
     assert state_of(model).backend.name == ("triton" if DEVICE == "cuda" else "torch")
     hf_paged_kv.disable(model)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="counts host-device synchronizations of the CUDA path")
+def test_no_synchronization_per_layer_on_cuda():
+    """A paged decode step synchronizes with the GPU a fixed number of times (reading the new
+    token ids), whatever the number of layers: never once per layer."""
+    import warnings
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hf_paged_kv
+    from hf_paged_kv import KVPool, PagedCache
+
+    def syncs(layers: int) -> int:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                                             num_attention_heads=4, num_key_value_heads=2)).eval().to(DEVICE)
+        hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=16))
+        ids = torch.randint(3, 96, (2, 40), device=DEVICE)
+        with PagedCache() as cache, torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache)
+            step = torch.randint(3, 96, (2, 1), device=DEVICE)
+            model(input_ids=step, past_key_values=cache)  # warm-up of the decode path
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                model(input_ids=step, past_key_values=cache)
+            torch.cuda.set_sync_debug_mode("default")
+        hf_paged_kv.disable(model)
+        return len(caught)
+
+    assert syncs(2) == syncs(6) <= 4

@@ -15,6 +15,8 @@ import torch
 
 from hf_paged_kv.kernels import reference
 
+from ..step import to_device
+
 
 class TorchBackend:
     name = "torch"
@@ -39,7 +41,7 @@ class TorchBackend:
         key = ("torch-write", device)
         if key not in plan.memo:
             src = np.flatnonzero(plan.slot_mapping >= 0)
-            plan.memo[key] = (torch.from_numpy(src).to(device), torch.from_numpy(plan.slot_mapping[src]).to(device))
+            plan.memo[key] = (to_device(src, device), to_device(plan.slot_mapping[src], device))
         return plan.memo[key]
 
     # ------------------------------------------------------------ attention

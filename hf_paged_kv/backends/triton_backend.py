@@ -15,6 +15,7 @@ from hf_paged_kv.kernels.paged_decode import choose_splits, paged_decode
 from hf_paged_kv.kernels.paged_prefill import paged_prefill
 from hf_paged_kv.kernels.write_kv import write_kv
 
+from ..step import to_device
 from .torch_backend import TorchBackend
 
 
@@ -58,8 +59,7 @@ class TritonBackend:
         counts = plan.query_counts
         decodes = np.flatnonzero(counts == 1)
         if len(decodes):
-            rows = torch.from_numpy(plan.q_start[decodes]).to(query.device)
-            picked = torch.from_numpy(decodes).to(query.device)
+            rows, picked = to_device(plan.q_start[decodes], query.device), to_device(decodes, query.device)
             out[rows] = self._decode(flat[rows], caches, plan, tables[picked], kv_lens[picked], q_pos[rows], scale,
                                      window, softcap)
         for sequence in np.flatnonzero(counts > 1).tolist():
