@@ -211,6 +211,10 @@ class KVPool:
                 self.copy_block(sequence.blocks[index], fresh)
                 self.decref([sequence.blocks[index]])
                 sequence.blocks[index] = fresh
+            fresh = [(s, s.blocks_needed(c, size)) for s, c in zip(sequences, counts) if c and not s.blocks]
+            if len(fresh) > 1:  # a new batch: rows spread evenly, to grow in step
+                for (sequence, _), table in zip(fresh, self.allocator.take_spread([n for _, n in fresh])):
+                    sequence.blocks = table
             for sequence, count in zip(sequences, counts):
                 missing = sequence.blocks_needed(count, size) if count else 0
                 if missing > 0:

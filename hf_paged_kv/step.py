@@ -71,8 +71,10 @@ class StepPlan:
     @property
     def decode_only(self) -> bool:
         """One query per sequence, each seeing its whole sequence (plain decoding)."""
-        counts = self.query_counts
-        return bool((counts == 1).all()) and bool((self.q_pos == self.kv_lens.astype(np.int64) - 1).all())
+        if "decode_only" not in self.memo:  # asked by every layer: computed once
+            self.memo["decode_only"] = len(self.q_pos) == len(self.kv_lens) and bool(
+                (self.q_pos == self.kv_lens.astype(np.int64) - 1).all())
+        return self.memo["decode_only"]
 
     def on(self, name: str, device: torch.device) -> torch.Tensor:
         """Field `name` as a tensor on `device`, copied once per forward."""

@@ -77,10 +77,12 @@ def plant_kv_permuted_in_block():
     def permuted(self, plan, layer, key, value):
         """Each token's value goes one slot further within its block than its key."""
         src, dst = self._write_indices(plan, key.device)
-        if src.numel() == 0:
+        if dst.numel() == 0:
             return
         size, heads, dim = plan.block_size, key.shape[1], key.shape[3]
-        flat = lambda states: states.transpose(1, 2).reshape(-1, heads, dim).index_select(0, src)  # noqa: E731
+        every = torch.arange(key.shape[0] * key.shape[2])
+        flat = lambda states: states.transpose(1, 2).reshape(-1, heads, dim).index_select(  # noqa: E731
+            0, every if src is None else src)
         shifted = dst - dst % size + (dst % size + 1) % size
         self.pool.key_cache[layer].view(-1, heads, dim).index_copy_(0, dst, flat(key))
         self.pool.value_cache[layer].view(-1, heads, dim).index_copy_(0, shifted, flat(value))

@@ -60,6 +60,24 @@ def test_fragmented_pool_gives_same_tokens(arch):
     assert_pool_clean(pool)
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_uniform_batch_rows_are_spread_evenly_and_read_as_one_view(arch):
+    """Rows of one length (no padding) get runs at a fixed stride, so decoding reads them all
+    through one strided view of the pool; the tokens are DynamicCache's."""
+    model = make_model(arch, seed=5)
+    ids = torch.randint(3, 96, (4, 37), generator=torch.Generator().manual_seed(5))
+    expected = greedy(model, DynamicCache(), ids, None, new_tokens=30)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=160, block_size=8))
+    with PagedCache(reuse=False) as cache:
+        got = greedy(model, cache, ids, None, new_tokens=30)
+        starts = [t[0] for t in cache.block_tables()]
+        tables = cache.block_tables()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert len({b - a for a, b in zip(starts, starts[1:])}) == 1  # one stride
+    assert all(t == list(range(t[0], t[0] + len(t))) for t in tables)
+    assert_pool_clean(pool)
+
+
 def test_contiguous_rows_when_the_pool_allows():
     """A batch on an empty pool gets one run of consecutive blocks per row, even while the rows
     grow in lockstep during decoding (what lets the torch backend read them without a copy)."""

@@ -28,20 +28,23 @@ class TorchBackend:
     def write(self, plan, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the forward's new K/V (`[B, kv_heads, T, head_dim]`) at the plan's slots."""
         src, dst = self._write_indices(plan, key.device)
-        if src.numel() == 0:
+        if dst.numel() == 0:
             return
-        rows = key.shape[0] * key.shape[2]
-        flat_key = key.transpose(1, 2).reshape(rows, *key.shape[1:2], key.shape[3])
-        flat_value = value.transpose(1, 2).reshape(rows, *value.shape[1:2], value.shape[3])
-        reference.store_kv(self.pool.key_cache[layer], self.pool.value_cache[layer],
-                           flat_key.index_select(0, src), flat_value.index_select(0, src), dst)
+        rows, heads, dim = key.shape[0] * key.shape[2], key.shape[1], key.shape[3]
+        flat_key = key.transpose(1, 2).reshape(rows, heads, dim)
+        flat_value = value.transpose(1, 2).reshape(rows, heads, dim)
+        if src is not None:  # only some queries are written (pads, stored or shared tokens)
+            flat_key, flat_value = flat_key.index_select(0, src), flat_value.index_select(0, src)
+        reference.store_kv(self.pool.key_cache[layer], self.pool.value_cache[layer], flat_key, flat_value, dst)
 
     @staticmethod
     def _write_indices(plan, device):
+        """`(queries written or None for all, their slots)` on `device`, once per forward."""
         key = ("torch-write", device)
         if key not in plan.memo:
             src = np.flatnonzero(plan.slot_mapping >= 0)
-            plan.memo[key] = (to_device(src, device), to_device(plan.slot_mapping[src], device))
+            every = len(src) == len(plan.slot_mapping)
+            plan.memo[key] = (None if every else to_device(src, device), to_device(plan.slot_mapping[src], device))
         return plan.memo[key]
 
     # ------------------------------------------------------------ attention
@@ -59,7 +62,16 @@ class TorchBackend:
         return self._padded(query, keys, values, plan, scale, window)
 
     def _decode(self, query, keys, values, plan, scale, window):
-        """One query per sequence: each row reads its keys as a view when they are contiguous."""
+        """One query per sequence. Rows of one length in runs at a fixed stride (a batch the
+        allocator spread evenly) are one strided view of the pool and one SDPA call; other
+        contiguous rows are a view each; fragmented ones are gathered."""
+        stride = self._row_stride(plan)
+        if stride is not None:
+            length = int(plan.kv_lens[0])
+            first = 0 if window is None else max(0, length - window)
+            seq_keys, seq_values = (self._strided(cache, plan, stride, first, length).to(query.dtype)
+                                    for cache in (keys, values))
+            return reference.sdpa(query, seq_keys, seq_values, None, scale)
         if (plan.contiguous < 0).all() and len(plan.kv_lens) > 1:
             return self._padded(query, keys, values, plan, scale, window)[0]
         outputs = [
@@ -67,6 +79,29 @@ class TorchBackend:
             for row in range(query.shape[0])
         ]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+    @staticmethod
+    def _row_stride(plan) -> int | None:
+        """Blocks between consecutive rows when every row is one run of one length at a fixed
+        stride (0 for a single row), else None."""
+        key = "torch-row-stride"
+        if key not in plan.memo:
+            starts, lens = plan.contiguous, plan.kv_lens
+            steps = np.diff(starts)
+            regular = (starts >= 0).all() and (lens == lens[0]).all() and (len(steps) == 0 or (
+                (steps == steps[0]).all() and steps[0] > 0))
+            plan.memo[key] = (int(steps[0]) if len(steps) else 0) if regular else None
+        return plan.memo[key]
+
+    @staticmethod
+    def _strided(cache: torch.Tensor, plan, stride: int, first: int, length: int) -> torch.Tensor:
+        """`[rows, kv_heads, length - first, dim]`: every row's stored tokens first..length, a
+        view of the pool (no copy)."""
+        heads, dim = cache.shape[-2:]
+        block = plan.block_size * heads * dim
+        offset = cache.storage_offset() + int(plan.contiguous[0]) * block + first * heads * dim
+        shape = (len(plan.kv_lens), length - first, heads, dim)
+        return cache.as_strided(shape, (stride * block, heads * dim, dim, 1), offset).transpose(1, 2)
 
     def _packed(self, query, keys, values, plan, scale, window, softcap):
         """Many sequences in one row (the serving engine): each sequence's queries attend on
