@@ -8,7 +8,15 @@
 """
 
 from .cache import PagedCache
-from .errors import CacheReleasedError, NotEnabledError, PagedKVError, PoolExhaustedError, UnsupportedModelError
+from .engine import Engine, RequestHandle
+from .errors import (
+    CacheReleasedError,
+    NotEnabledError,
+    Overloaded,
+    PagedKVError,
+    PoolExhaustedError,
+    UnsupportedModelError,
+)
 from .integration import disable, enable, pool_of
 from .pipeline import pipeline
 from .pool import KVPool
@@ -29,6 +37,9 @@ __all__ = [
     "pipeline",
     "PagedCache",
     "KVPool",
+    "Engine",
+    "RequestHandle",
+    "Overloaded",
     "SemanticIndex",
     "PagedKVError",
     "PoolExhaustedError",

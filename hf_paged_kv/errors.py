@@ -34,3 +34,11 @@ class CacheReleasedError(PagedKVError):
 
 class UnsupportedModelError(PagedKVError):
     """The model uses an attention feature the paged backend cannot reproduce exactly."""
+
+
+class Overloaded(PagedKVError):
+    """The serving engine is shedding load; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: float, why: str):
+        self.retry_after = retry_after
+        super().__init__(f"{why}; retry after {retry_after:.1f} s")

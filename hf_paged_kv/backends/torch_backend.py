@@ -121,7 +121,7 @@ class TorchBackend:
         length, count = int(plan.kv_lens[sequence]), query.shape[2]
         first = 0 if window is None else max(0, length - count + 1 - window)
         seq_keys, seq_values = self._sequence_kv(keys, values, plan, sequence, first, length, query.dtype)
-        if not softcap and (count == 1 or (first == 0 and count == length)):
+        if not softcap and (count == 1 or (count == length and (window is None or length <= window))):
             return reference.sdpa(query, seq_keys, seq_values, None, scale, is_causal=count > 1)
         key_positions = torch.arange(first, length, device=query.device)[None, :]
         positions = torch.arange(length - count, length, device=query.device)[:, None]

@@ -1,0 +1,158 @@
+"""Admitting requests into the pool, and sending them back out (preemption).
+
+Admission inherits the request's longest cached prefix (device blocks, or blocks promoted from
+the host or disk tier), checks the scheduler's memory rule, allocates the first chunk and records
+which blocks the request will compute, so that requests sharing that prefix wait and inherit it.
+Preemption keeps the victim's full blocks cached (they are indexed as soon as they fill) and
+either swaps its partial last block to host memory or lets it be recomputed, whichever the
+measured costs say is cheaper; a resumed request gets exactly the KV it had.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import numpy as np
+
+from ..errors import PoolExhaustedError
+from ..pool import KVPool
+from ..sequence import Sequence
+from .request import Request
+from .scheduler import Scheduler
+
+
+class Admission:
+    def __init__(self, pool: KVPool, scheduler: Scheduler):
+        self.pool, self.scheduler = pool, scheduler
+        self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
+        self.recent: deque = deque(maxlen=32)  # (tokens, seconds) of recent steps
+        self.copy_seconds_per_block = 0.0
+
+    # ------------------------------------------------------------- admit
+    def admit(self, budget: int, model: str | None, counters: dict, metrics) -> list[tuple[Request, int]]:
+        """Admit waiting requests (priority order) while the memory rule and the budget allow."""
+        admitted = []
+        if model is not None:
+            self.model = model
+        for request in list(self.scheduler.waiting):
+            if not self.scheduler.room_for_more(budget):
+                break
+            if self._waits_for_inflight(request):
+                continue  # another request is computing its prefix: inherit it next step
+            count = self._try(request, budget)
+            if count is None:
+                break  # memory: no one of lower priority overtakes it
+            self.scheduler.waiting.remove(request)
+            self.scheduler.running.append(request)
+            request.admitted = time.monotonic()
+            counters["tokens_inherited"] += request.inherited
+            metrics.queue.observe(request.admitted - request.arrived)
+            metrics.prompt_tokens.labels("inherited").inc(request.inherited)
+            admitted.append((request, count))
+            budget -= count
+        return admitted
+
+    def _try(self, request: Request, budget: int) -> int | None:
+        """Attach the cached prefix and the first chunk's blocks; the chunk size, or None (and
+        nothing held) when memory does not allow it."""
+        tokens = request.tokens()
+        with self.pool.locked():
+            blocks, length = self.pool.reuse.inherit(
+                self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
+                lambda digest, after: self.pool.promote(digest, self.model, after))
+            if not self.scheduler.admissible(request, len(blocks)):
+                self.pool.decref(blocks)
+                return None
+            request.sequence = Sequence(blocks=blocks, length=length, tokens=tokens[:length],
+                                        history=bytearray(b"\x01" * length))
+            self._unswap(request)
+            request.computed = request.inherited = request.sequence.length
+            count = min(request.remaining, budget)
+            try:
+                self.pool.grow([request.sequence], [count])
+            except PoolExhaustedError:
+                self.pool.decref(request.sequence.blocks)
+                request.sequence, request.computed = Sequence(), 0
+                return None
+            self._register_inflight(request)
+        return count
+
+    # ---------------------------------------------------- shared prefixes
+    def _chain(self, request: Request) -> list[bytes]:
+        tokens = request.tokens()
+        index = self.pool.reuse.index
+        return index.chain(index.root(self.model, request.tenant), tokens[: (len(tokens) - 1) // self.pool.block_size
+                                                                           * self.pool.block_size])
+
+    def _waits_for_inflight(self, request: Request) -> bool:
+        return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self._chain(request))
+
+    def _register_inflight(self, request: Request) -> None:
+        computed_blocks = request.sequence.length // self.pool.block_size
+        for digest in self._chain(request)[computed_blocks:]:
+            self.scheduler.inflight.setdefault(digest, request)
+
+    def indexed(self, batch: list[tuple[Request, int]]) -> None:
+        """After a forward: index the sequences' newly full blocks, so waiting requests sharing
+        them inherit them; those digests are no longer in flight."""
+        with self.pool.locked():
+            for request, _ in batch:
+                if request.outcome is None:
+                    self.pool.reuse.index_sequence(self.model, request.tenant, request.sequence, request.priority)
+            now = self.pool.policy.now()
+            self.scheduler.inflight = {d: r for d, r in self.scheduler.inflight.items()
+                                       if r.outcome is None and self.pool.reuse.index.lookup(d, now) is None}
+
+    # ----------------------------------------------------------- preempt
+    def preempt(self, request: Request) -> str:
+        """Send a running request back to the queue; returns the mode ("swap" or "recompute")."""
+        sequence, size = request.sequence, self.pool.block_size
+        partial = sequence.partial_block(size)
+        mode = "recompute"
+        if partial is not None and self._swap_is_cheaper(sequence.length % size):
+            started = time.perf_counter()
+            request.swapped = (sequence.length, [(k.to("cpu", copy=True), v.to("cpu", copy=True))
+                                                 for k, v in self.pool.block_layers(partial)])
+            self.copy_seconds_per_block = time.perf_counter() - started
+            mode = "swap"
+        self.scheduler.remove(request)
+        self.pool.decref(sequence.blocks)  # full blocks were indexed: they stay cached
+        request.sequence, request.computed = Sequence(), 0
+        request.preemptions += 1
+        self.scheduler.enqueue(request)
+        return mode
+
+    def _swap_is_cheaper(self, tokens: int) -> bool:
+        per_token = self.seconds_per_token()
+        return per_token == 0.0 or self.copy_seconds_per_block < tokens * per_token
+
+    def _unswap(self, request: Request) -> None:
+        """Put a preempted request's partial block back, if its full blocks all survived."""
+        if request.swapped is None:
+            return
+        length, layers = request.swapped
+        request.swapped = None
+        sequence, size = request.sequence, self.pool.block_size
+        if sequence.length != length // size * size:
+            return  # some full block was evicted meanwhile: recompute from there
+        (block,) = self.pool.allocate(1, after=sequence.blocks[-1] if sequence.blocks else None)
+        for (key, value), (host_key, host_value) in zip(self.pool.block_layers(block), layers):
+            key.copy_(host_key)
+            value.copy_(host_value)
+        sequence.blocks.append(block)
+        sequence.tokens, sequence.length = request.tokens()[:length], length
+        sequence.history = bytearray(b"\x01" * length)
+
+    # ------------------------------------------------------------ costs
+    def record_step(self, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
+
+    def seconds_per_token(self) -> float:
+        tokens = sum(t for t, _ in self.recent)
+        return sum(s for _, s in self.recent) / tokens if tokens else 0.0
+
+    def throughput(self) -> float:
+        """Tokens per second over the recent steps."""
+        seconds = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / seconds if seconds else 0.0

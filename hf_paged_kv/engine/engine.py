@@ -1,0 +1,263 @@
+"""The serving engine: many independent requests batched into each forward, on the pool.
+
+    >>> from hf_paged_kv import Engine, KVPool
+    >>> engine = Engine(model, tokenizer=tokenizer, pool=KVPool(num_blocks=512))
+    >>> with engine:                                   # start() / stop(drain=True)
+    ...     handle = engine.submit("Hello", max_new_tokens=32)
+    ...     print(tokenizer.decode(handle.result()))
+    >>> engine.stats()["max_running"], engine.prometheus()
+
+One scheduler thread runs the loop: take new and cancelled requests, choose the next forward's
+sequences (`Scheduler`), run one packed forward (`runner`), sample each row with its own
+parameters, stream the tokens, finish and release. Requests join and leave between forwards.
+The pool, its reuse index, pins and tiers are the ones `generate` uses, so the engine and
+`generate` share cached prefixes.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from ..errors import Overloaded, PagedKVError, PoolExhaustedError
+from ..integration import current_fingerprint, enable, state_of
+from ..pool import KVPool
+from ..sequence import Sequence
+from . import runner
+from .admission import Admission
+from .metrics import EngineMetrics
+from .request import Request, RequestFailed, RequestHandle, SamplingParams
+from .sampling import sample
+from .scheduler import Limits, Scheduler
+
+IDLE_WAIT = 0.05  # seconds the loop sleeps when there is nothing to do
+
+
+class Engine:
+    """Continuous batching on a model's KV pool. See the module docstring for usage.
+
+    Args:
+        model: a transformers causal LM (enabled with `hf_paged_kv.enable` if it is not yet).
+        tokenizer: needed to submit text prompts.
+        pool: the KVPool to enable the model with (if it is not enabled yet).
+        max_running, max_batch_tokens, max_waiting: scheduler limits.
+        limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above.
+    """
+
+    def __init__(self, model, tokenizer=None, pool: KVPool | None = None, max_running: int = 64,
+                 max_batch_tokens: int = 512, max_waiting: int = 1024, backend: str = "auto",
+                 limits: Limits | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.pool = enable(model, pool=pool, backend=backend)
+        self.backend = state_of(model).backend
+        self.limits = limits or Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                       max_waiting=max_waiting)
+        self.scheduler = Scheduler(self.pool, self.limits)
+        self.admission = Admission(self.pool, self.scheduler)
+        self.metrics = EngineMetrics()
+        self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
+                                       "requests_failed", "preemptions", "max_running", "tokens_prefilled",
+                                       "tokens_inherited", "tokens_generated", "steps"), 0)
+        self.incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
+        self.wakeup = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.accepting, self.draining = False, True
+        self.eos = tuple(_as_list(model.generation_config.eos_token_id))
+        self.device = model.get_input_embeddings().weight.device
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self) -> "Engine":
+        if self.thread is None:
+            self.accepting = True
+            self.thread = threading.Thread(target=self._loop, name="hf_paged_kv-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting requests; finish the ones in flight (`drain`) or cancel them."""
+        self.accepting, self.draining = False, drain
+        self.wakeup.set()
+        if self.thread is not None:
+            self.thread.join(timeout)
+            self.thread = None
+
+    def __enter__(self) -> "Engine":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop(drain=exc[0] is None)
+
+    # ------------------------------------------------------------- requests
+    def submit(self, prompt, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
+               top_p: float = 1.0, top_k: int = 0, eos_token_id=None, tenant: str = "default", priority: int = 0,
+               seed: int | None = None) -> RequestHandle:
+        """Queue a request (text or token ids) and return its handle at once. Thread-safe.
+        Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
+        if not self.accepting:
+            raise PagedKVError("the engine is not running: call start() or use it as a context manager")
+        ids = self._prompt_ids(prompt)
+        eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
+        params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
+        backlog = len(self.scheduler.waiting) + self.incoming.qsize()
+        if backlog >= self.limits.max_waiting:
+            self.counters["requests_rejected"] += 1
+            self.metrics.requests.labels("rejected").inc()
+            raise Overloaded(self.retry_after(), f"{backlog} requests are waiting (max_waiting={self.limits.max_waiting})")
+        request = Request(ids, params, tenant=tenant, priority=priority)
+        if seed is not None:
+            request.generator = torch.Generator(self.device).manual_seed(seed)
+        self.incoming.put(request)
+        self.wakeup.set()
+        return RequestHandle(request, self)
+
+    def cancel(self, request: Request) -> None:
+        request.cancel_requested = True
+        self.cancelled.put(request)
+        self.wakeup.set()
+
+    def retry_after(self) -> float:
+        """An honest wait: the queued tokens over the recent throughput (at least a second)."""
+        queued = sum(r.remaining + r.params.max_new_tokens for r in list(self.scheduler.waiting))
+        rate = self.admission.throughput()
+        return max(1.0, queued / rate) if rate > 0 else 5.0
+
+    def _prompt_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs Engine(tokenizer=...)")
+            prompt = self.tokenizer(prompt)["input_ids"]
+        ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+        if not ids:
+            raise ValueError("the prompt is empty")
+        return ids
+
+    # ----------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        while True:
+            self._intake()
+            if not self.accepting and (not self.draining or not self._busy()):
+                break
+            if not self.step():
+                self.wakeup.wait(IDLE_WAIT)
+                self.wakeup.clear()
+        for request in self.scheduler.waiting + self.scheduler.running:
+            self._end(request, "cancelled")
+
+    def _busy(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()
+
+    def _intake(self) -> None:
+        while not self.incoming.empty():
+            self.scheduler.enqueue(self.incoming.get())
+        while not self.cancelled.empty():
+            request = self.cancelled.get()
+            if request.outcome is None:
+                self._end(request, "cancelled")
+
+    def step(self) -> bool:
+        """One scheduler step; False when there was nothing to run."""
+        if not (self.scheduler.waiting or self.scheduler.running):
+            return False
+        started = time.perf_counter()
+        preemptions = self.counters["preemptions"]
+        batch = self.scheduler.continuing(self.limits.max_batch_tokens)
+        try:
+            batch = self.scheduler.grow(batch, self._preempt)
+        except PoolExhaustedError as error:  # nothing left to preempt: the request cannot fit at all
+            for request, _ in batch:
+                self._end(request, "failed", RequestFailed(f"request {request.id} does not fit in the pool: {error}"))
+            return True
+        if self.counters["preemptions"] == preemptions:  # no admission in a step that preempted
+            budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
+            batch += self.admission.admit(budget, current_fingerprint(self.model) if self.scheduler.waiting else None,
+                                          self.counters, self.metrics)
+        if not batch:
+            return False
+        self._forward(batch)
+        self.scheduler.decay()
+        self._observe(batch, time.perf_counter() - started)
+        return True
+
+    def _forward(self, batch: list[tuple[Request, int]]) -> None:
+        try:
+            logits, sampling = runner.forward(self.model, self.backend, self.pool, batch)
+        except Exception as error:  # a failed forward fails its requests, never the engine
+            for request, _ in batch:
+                self._end(request, "failed", RequestFailed(f"forward failed: {error!r}"))
+            return
+        prefilled = sum(n for r, n in batch if not (n == 1 and r.remaining == 1))  # all but decode steps
+        self.counters["tokens_prefilled"] += prefilled
+        self.metrics.prompt_tokens.labels("computed").inc(prefilled)
+        runner.commit(batch)
+        self.admission.indexed(batch)
+        now = time.monotonic()
+        for request, token in zip(sampling, sample(logits, sampling)):
+            self._emit(request, token, now)
+
+    def _emit(self, request: Request, token: int, now: float) -> None:
+        if request.cancel_requested:
+            return
+        request.generated.append(token)
+        request.stream.push(token)
+        self.counters["tokens_generated"] += 1
+        self.metrics.generated.inc()
+        if request.first_token is None:
+            request.first_token = now
+            self.metrics.ttft.observe(now - request.arrived)
+        else:
+            self.metrics.itl.observe(now - request.last_token)
+        request.last_token = now
+        if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
+            self._end(request, "finished")
+
+    def _end(self, request: Request, outcome: str, error: BaseException | None = None) -> None:
+        """Release the request's blocks (full ones stay cached) and close its stream."""
+        self.scheduler.remove(request)
+        if request.sequence.blocks:
+            self.pool.decref(request.sequence.blocks)
+        request.sequence = Sequence()
+        request.outcome, request.finished = outcome, time.monotonic()
+        self.counters[f"requests_{outcome}"] += 1
+        self.metrics.requests.labels(outcome).inc()
+        if outcome == "finished":
+            self.metrics.e2e.observe(request.finished - request.arrived)
+        request.stream.close(error)
+
+    def _preempt(self, request: Request) -> None:
+        mode = self.admission.preempt(request)
+        self.counters["preemptions"] += 1
+        self.metrics.preemptions.labels(mode).inc()
+
+    def _observe(self, batch, seconds: float) -> None:
+        self.counters["steps"] += 1
+        self.counters["max_running"] = max(self.counters["max_running"], len(self.scheduler.running))
+        self.metrics.step.observe(seconds)
+        self.metrics.batch_tokens.observe(sum(n for _, n in batch))
+        self.metrics.batch_sequences.observe(len(batch))
+        self.admission.record_step(sum(n for _, n in batch), seconds)
+
+    # ---------------------------------------------------------------- stats
+    def stats(self) -> dict:
+        """Request and token counters, the high-water mark of running sequences, and the pool's stats."""
+        return self.pool.stats() | self.counters | {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
+            "growth_ratio": self.scheduler.growth_ratio,
+        }
+
+    def prometheus(self) -> str:
+        """The metrics in Prometheus' text exposition format."""
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting) + self.incoming.qsize())
+        self.metrics.observe_pool(self.pool.stats())
+        return self.metrics.text()
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]

@@ -1,0 +1,195 @@
+"""A request of the serving engine, and the handle its submitter holds.
+
+    >>> handle = engine.submit("Hello", max_new_tokens=32)
+    >>> handle.result(timeout=60)             # token ids generated (prompt excluded)
+    >>> for token in handle.stream(): ...     # as they come
+    >>> async for token in handle.astream(): ...
+    >>> handle.cancel()
+
+A `Request` is a `Sequence` (its KV in the pool) plus what the engine needs to decide about it:
+sampling parameters, tenant, priority, the tokens generated so far and timestamps. The engine
+thread is the only one that changes it; the handle only reads its stream and may ask to cancel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PagedKVError
+from ..sequence import Sequence
+
+_ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    eos_token_id: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+
+
+class TokenStream:
+    """Tokens as the engine produces them, readable from any thread or event loop."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.error: BaseException | None = None
+        self.done = False
+        self.changed = threading.Condition()
+        self.waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+    def push(self, token: int) -> None:
+        with self.changed:
+            self.tokens.append(token)
+            self._wake()
+
+    def close(self, error: BaseException | None = None) -> None:
+        with self.changed:
+            self.error, self.done = error, True
+            self._wake()
+
+    def _wake(self) -> None:
+        self.changed.notify_all()
+        for loop, future in self.waiters:
+            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+        self.waiters.clear()
+
+    def wait_done(self, timeout: float | None) -> bool:
+        with self.changed:
+            return self.changed.wait_for(lambda: self.done, timeout)
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: len(self.tokens) > seen or self.done)
+                fresh, finished, error = self.tokens[seen:], self.done, self.error
+            seen += len(fresh)
+            yield from fresh
+            if finished and seen == len(self.tokens):
+                if error is not None:
+                    raise error
+                return
+
+    async def __aiter__(self):
+        seen, loop = 0, asyncio.get_running_loop()
+        while True:
+            with self.changed:
+                fresh, finished, error = self.tokens[seen:], self.done, self.error
+                future = None
+                if not fresh and not finished:
+                    future = loop.create_future()
+                    self.waiters.append((loop, future))
+            if future is not None:
+                await future
+                continue
+            seen += len(fresh)
+            for token in fresh:
+                yield token
+            if finished and seen == len(self.tokens):
+                if error is not None:
+                    raise error
+                return
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    tenant: str = "default"
+    priority: int = 0
+    id: int = field(default_factory=lambda: next(_ids))
+    sequence: Sequence = field(default_factory=Sequence)
+    generated: list[int] = field(default_factory=list)
+    stream: TokenStream = field(default_factory=TokenStream)
+    generator: torch.Generator | None = None
+    arrived: float = field(default_factory=time.monotonic)
+    admitted: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+    outcome: str | None = None  # "finished", "cancelled", "failed", "rejected"
+    cancel_requested: bool = False
+    preemptions: int = 0
+    inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
+    computed: int = 0  # leading tokens of `tokens()` stored in the sequence
+    swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
+
+    def tokens(self) -> list[int]:
+        """The prompt and every generated token: what the sequence must hold before the next
+        token is sampled. The engine feeds `tokens()[computed:]` in chunks; the forward that
+        reaches the end samples the next token (one token per step once the prompt is in)."""
+        return self.prompt + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to feed before the next token can be sampled."""
+        return len(self.prompt) + len(self.generated) - self.computed
+
+    @property
+    def effective_priority(self) -> int:
+        """A request preempted again and again gains priority (no starvation)."""
+        return self.priority + self.preemptions
+
+
+class RequestHandle:
+    """What `Engine.submit` returns: the request's tokens as they come, and a way to cancel it."""
+
+    def __init__(self, request: Request, engine):
+        self.request, self.engine = request, engine
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    def result(self, timeout: float | None = None) -> list[int]:
+        """The generated token ids (prompt excluded), once the request is done."""
+        if not self.request.stream.wait_done(timeout):
+            raise TimeoutError(f"request {self.id} not done after {timeout} s")
+        if self.request.stream.error is not None:
+            raise self.request.stream.error
+        return list(self.request.stream.tokens)
+
+    def stream(self):
+        """Iterate over the generated token ids as the engine produces them."""
+        return iter(self.request.stream)
+
+    def astream(self):
+        """`async for token in handle.astream()`."""
+        return self.request.stream.__aiter__()
+
+    def cancel(self) -> None:
+        """Stop generating; the tokens so far stay readable and `result()` returns them."""
+        self.engine.cancel(self.request)
+
+    @property
+    def done(self) -> bool:
+        return self.request.stream.done
+
+    @property
+    def outcome(self) -> str | None:
+        return self.request.outcome
+
+
+class RequestFailed(PagedKVError):
+    """The engine could not complete the request (the message says why)."""

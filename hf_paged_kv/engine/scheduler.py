@@ -1,0 +1,124 @@
+"""Which sequences run in the next forward, which wait, and which give way.
+
+Every step takes, within a token budget: the decode step of every running sequence, then the
+next chunk of the prefills in progress, then new requests. A new request is admitted only if
+the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
+sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
+which decays while memory holds and is reset by a preemption (SGLang's rule) – and never in a
+step that preempted. A request whose prompt continues a prefix that a running prefill is about
+to compute waits for those blocks and inherits them instead of computing them twice.
+
+When a running sequence needs a block and the pool has none to give, the scheduler preempts a
+victim – lowest priority first, then the cheapest to resume – instead of failing: its full
+blocks stay cached for its return, its partial last block is kept in host memory when copying
+it back is cheaper than recomputing it, and it goes back to the queue with its priority raised
+by one (so a request cannot be preempted forever).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import PoolExhaustedError
+from ..pool import KVPool
+from .request import Request
+
+
+@dataclass
+class Limits:
+    """The scheduler's knobs (the load controller moves some of them)."""
+
+    max_running: int = 64
+    max_batch_tokens: int = 512
+    max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
+    watermark: float = 0.0  # fraction of the pool admissions leave free
+    growth_ratio_init: float = 0.7
+    growth_ratio_min: float = 0.1
+    growth_ratio_decay: float = 0.002  # per step while nothing is preempted
+
+
+class Scheduler:
+    def __init__(self, pool: KVPool, limits: Limits):
+        self.pool, self.limits = pool, limits
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.growth_ratio = limits.growth_ratio_init
+        self.inflight: dict[bytes, Request] = {}  # digests of blocks a running prefill will index
+
+    # ------------------------------------------------------------ queues
+    def enqueue(self, request: Request) -> None:
+        """Insert by priority (preempted requests carry theirs raised), then arrival."""
+        key = (-request.effective_priority, request.arrived)
+        index = next((i for i, r in enumerate(self.waiting) if (-r.effective_priority, r.arrived) > key),
+                     len(self.waiting))
+        self.waiting.insert(index, request)
+
+    def remove(self, request: Request) -> None:
+        for queue in (self.waiting, self.running):
+            if request in queue:
+                queue.remove(request)
+        self.forget_inflight(request)
+
+    def forget_inflight(self, request: Request) -> None:
+        self.inflight = {d: r for d, r in self.inflight.items() if r is not request}
+
+    # ----------------------------------------------------------- choosing
+    def continuing(self, budget: int) -> list[tuple[Request, int]]:
+        """The running sequences' tokens for this step: every decode, then prefill chunks."""
+        decodes = [(r, 1) for r in self.running if r.remaining == 1]
+        budget -= len(decodes)
+        chunks = []
+        for request in self.running:
+            if request.remaining > 1 and budget > 0:
+                chunks.append((request, min(request.remaining, budget)))
+                budget -= chunks[-1][1]
+        return decodes + chunks
+
+    def reserve(self) -> int:
+        """Blocks to keep for the running sequences' growth: their unfed tokens, and a share of
+        what they may still generate."""
+        size, total = self.pool.block_size, 0.0
+        for request in self.running:
+            to_generate = request.params.max_new_tokens - len(request.generated)
+            total += (request.remaining + self.growth_ratio * to_generate) / size
+        return int(total) + len(self.running)
+
+    def admissible(self, request: Request, inherited_blocks: int) -> bool:
+        """Whether memory covers the request's uncached tokens and the running ones' reserve."""
+        size = self.pool.block_size
+        needed = -(-(len(request.tokens()) + 1) // size) - inherited_blocks
+        keep_free = int(self.limits.watermark * self.pool.num_blocks)
+        return self.pool.num_available() - keep_free >= needed + self.reserve()
+
+    def room_for_more(self, budget: int) -> bool:
+        return budget > 0 and len(self.running) < self.limits.max_running
+
+    def waits_for_inflight(self, digests: list[bytes]) -> bool:
+        """Whether a running prefill is about to index one of these blocks."""
+        return any(d in self.inflight for d in digests)
+
+    def decay(self) -> None:
+        self.growth_ratio = max(self.limits.growth_ratio_min, self.growth_ratio - self.limits.growth_ratio_decay)
+
+    # ----------------------------------------------------------- memory
+    def grow(self, batch: list[tuple[Request, int]], preempt) -> list[tuple[Request, int]]:
+        """Allocate the blocks `batch` needs, preempting victims (via `preempt(request)`) until
+        it fits; returns what is left of the batch."""
+        while batch:
+            try:
+                self.pool.grow([r.sequence for r, _ in batch], [n for _, n in batch])
+                return batch
+            except PoolExhaustedError:
+                victim = self.victim()
+                if victim is None:
+                    raise
+                preempt(victim)
+                self.growth_ratio = self.limits.growth_ratio_init
+                batch = [(r, n) for r, n in batch if r is not victim]
+        return batch
+
+    def victim(self) -> Request | None:
+        """Lowest priority first, then the cheapest to resume (fewest tokens stored)."""
+        if not self.running:
+            return None
+        return min(self.running, key=lambda r: (r.effective_priority, r.computed, -r.arrived))

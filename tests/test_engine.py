@@ -1,0 +1,179 @@
+"""The serving engine: each request's greedy tokens equal `generate` with DynamicCache for that
+request alone, whatever it was batched with, preempted or not; cancellation, threads, seeded
+sampling, streaming, load shedding and shared prefixes."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, make_model
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import Engine, KVPool, Overloaded
+from hf_paged_kv.engine.scheduler import Limits
+
+NEW = 10
+
+
+def prompts(lengths, seed=0):
+    return [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(seed + i)).tolist()
+            for i, n in enumerate(lengths)]
+
+
+def alone(model, prompt, new=NEW):
+    """What `generate` gives for this request alone, with the default cache (it stops after the
+    model's EOS token, as the engine does by default)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
+                         max_new_tokens=new, do_sample=False)
+    generated = out[0, len(prompt):].tolist()
+    return generated[: generated.index(2) + 1] if 2 in generated else generated
+
+
+@pytest.fixture(params=["llama", "mistral", "gpt2"])
+def model(request):
+    model = make_model(request.param, seed=3)
+    yield model
+    hf_paged_kv.disable(model)
+
+
+def test_batched_requests_equal_generate_alone(model):
+    batch = prompts([5, 17, 33, 40, 9, 64, 1, 23])
+    expected = [alone(model, p) for p in batch]
+    engine = Engine(model, pool=KVPool(num_blocks=96, block_size=8), max_batch_tokens=48)
+    with engine:
+        handles = [engine.submit(p, max_new_tokens=NEW) for p in batch]
+        assert [h.result(timeout=120) for h in handles] == expected
+    stats = engine.stats()
+    assert stats["requests_finished"] == 8 and stats["max_running"] >= 4
+    assert stats["tokens_generated"] == sum(map(len, expected))
+    assert_pool_clean(engine.pool)
+
+
+def test_preempted_requests_resume_with_identical_output():
+    """A pool too small for all of them at once: sequences are preempted (full blocks stay
+    cached, the partial one is swapped or recomputed) and still give generate's tokens."""
+    model = make_model("llama", seed=4)
+    batch = prompts([30, 26, 35, 28, 31, 33], seed=10)
+    expected = [alone(model, p, new=24) for p in batch]
+    optimistic = Limits(max_batch_tokens=64, growth_ratio_init=0.0, growth_ratio_min=0.0)  # admit, then preempt
+    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic)
+    with engine:
+        handles = [engine.submit(p, max_new_tokens=24) for p in batch]
+        results = [h.result(timeout=180) for h in handles]
+    assert results == expected
+    stats = engine.stats()
+    assert stats["preemptions"] > 0 and stats["requests_failed"] == 0
+    assert "hf_paged_kv_preemptions_total" in engine.prometheus()
+    assert_pool_clean(engine.pool)
+
+
+def test_many_threads_submitting_at_once(model):
+    batch = prompts([7, 19, 25, 11, 30, 3], seed=20)
+    expected = [alone(model, p) for p in batch]
+    results = {}
+    engine = Engine(model, pool=KVPool(num_blocks=96, block_size=8))
+    with engine:
+        def client(i):
+            results[i] = engine.submit(batch[i], max_new_tokens=NEW).result(timeout=120)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(batch))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    assert [results[i] for i in range(len(batch))] == expected
+
+
+def test_streaming_sync_and_async(model):
+    prompt = prompts([12])[0]
+    expected = alone(model, prompt)
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=8)) as engine:
+        assert list(engine.submit(prompt, max_new_tokens=NEW).stream()) == expected
+
+        async def collect():
+            return [t async for t in engine.submit(prompt, max_new_tokens=NEW).astream()]
+
+        assert asyncio.run(collect()) == expected
+
+
+def test_cancel_stops_a_request_and_frees_its_blocks(model):
+    with Engine(model, pool=KVPool(num_blocks=64, block_size=8)) as engine:
+        handle = engine.submit(prompts([20])[0], max_new_tokens=10_000, eos_token_id=[])
+        first = next(iter(handle.stream()))
+        handle.cancel()
+        tokens = handle.result(timeout=30)
+        assert tokens[0] == first and len(tokens) < 10_000 and handle.outcome == "cancelled"
+        other = engine.submit(prompts([8])[0], max_new_tokens=3, eos_token_id=[]).result(timeout=30)
+        assert len(other) == 3
+    assert engine.stats()["requests_cancelled"] == 1
+    assert_pool_clean(engine.pool)
+
+
+def test_eos_stops_like_generate(model):
+    prompt = prompts([15], seed=40)[0]
+    free_run = alone(model, prompt, new=8)
+    eos = free_run[3]  # a token it generates: generation must stop right after it
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=8)) as engine:
+        got = engine.submit(prompt, max_new_tokens=8, eos_token_id=eos).result(timeout=60)
+    assert got == free_run[: free_run.index(eos) + 1]
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(model):
+    prompt = prompts([14], seed=50)[0]
+    kwargs = dict(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=40, top_p=0.9, eos_token_id=[])
+    with Engine(model, pool=KVPool(num_blocks=64, block_size=8)) as engine:
+        alone_run = engine.submit(prompt, seed=7, **kwargs).result(timeout=60)
+        crowd = [engine.submit(p, seed=i, **kwargs) for i, p in enumerate(prompts([9, 30, 21], seed=60))]
+        batched = engine.submit(prompt, seed=7, **kwargs).result(timeout=60)
+        other_seed = engine.submit(prompt, seed=8, **kwargs).result(timeout=60)
+        [h.result(timeout=60) for h in crowd]
+    assert batched == alone_run and other_seed != alone_run
+
+
+def test_requests_sharing_a_prefix_compute_it_once():
+    """A burst of requests with one system prompt: the first computes it, the others wait for
+    its blocks and inherit them."""
+    model = make_model("llama", seed=5)
+    system = prompts([64], seed=70)[0]
+    batch = [system + q for q in prompts([5, 9, 7, 6], seed=80)]
+    expected = [alone(model, p) for p in batch]
+    engine = Engine(model, pool=KVPool(num_blocks=96, block_size=8), max_batch_tokens=96)
+    with engine:
+        handles = [engine.submit(p, max_new_tokens=NEW) for p in batch]
+        assert [h.result(timeout=120) for h in handles] == expected
+    stats = engine.stats()
+    assert stats["tokens_inherited"] == 3 * 64  # three of the four inherited the whole system prompt
+    assert stats["tokens_prefilled"] == 64 + sum(len(p) - 64 for p in batch)
+
+
+def test_overloaded_engine_sheds_with_retry_after():
+    model = make_model("llama", seed=6)
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8), max_waiting=2)
+    engine.accepting = True  # accept without running the loop, so the queue fills
+    for prompt in prompts([5, 5]):
+        engine.submit(prompt, max_new_tokens=4)
+    with pytest.raises(Overloaded) as info:
+        engine.submit(prompts([5])[0], max_new_tokens=4)
+    assert info.value.retry_after >= 1.0
+    assert engine.stats()["requests_rejected"] == 1
+    engine.start()
+    engine.stop(drain=True)
+    hf_paged_kv.disable(model)
+
+
+def test_engine_and_generate_share_cached_prefixes():
+    model = make_model("llama", seed=7)
+    system = prompts([48], seed=90)[0]
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=8))
+    hf_paged_kv.publish(model, system)
+    with Engine(model) as engine:
+        got = engine.submit(system + [5, 6, 7], max_new_tokens=NEW).result(timeout=60)
+    assert engine.stats()["tokens_inherited"] == 48
+    hf_paged_kv.disable(model)
+    assert got == alone(model, system + [5, 6, 7])
+    assert_pool_clean(pool)
