@@ -24,12 +24,13 @@ import hashlib
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import backends, step
+from . import backends, prefill, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
 from .model_checks import REFUSED_KWARGS, check_config, probe
@@ -161,10 +162,14 @@ def _paged_forward(model, original):
         shape = tuple(inputs.shape[:2])
         fresh_or_prefill = not cache.is_initialized or shape[1] > 1
         fingerprint = current_fingerprint(model) if fresh_or_prefill else state.fingerprint
+        may_skip = _may_skip(args, kwargs)
+        if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
+            _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
+                                     kwargs.get("attention_mask"))
         need_weights = kwargs.get("output_attentions")
         need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
         plan = cache.begin_forward(state.pool, fingerprint, input_ids, kwargs.get("attention_mask"), shape,
-                                   _may_skip(args, kwargs), logical=need_weights)
+                                   may_skip, logical=need_weights)
         if plan.skip:
             args, kwargs = _drop_columns(args, kwargs, plan.skip, cache.get_seq_length())
         try:
@@ -177,6 +182,25 @@ def _paged_forward(model, original):
         return output
 
     return forward
+
+
+def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: str, input_ids, attention_mask):
+    """A fresh batch whose rows share an uncached prefix computes it once, in a packed forward
+    of its own, before the batch's forward inherits it in every row."""
+    ids = input_ids.detach().cpu().numpy()
+    real = (attention_mask.detach().cpu().numpy().astype(bool) if attention_mask is not None
+            else np.ones(ids.shape, dtype=bool))
+    prefixes = prefill.shared_prefixes(state.pool, fingerprint, tenant, ids, real)
+    if not prefixes:
+        return
+
+    def run(plan, tokens, positions):
+        device = input_ids.device
+        with step.activate(plan, state.backend):
+            original(input_ids=step.to_device(tokens, device)[None], position_ids=step.to_device(positions, device)[None],
+                     use_cache=False, logits_to_keep=1)
+
+    prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
 
 
 def _may_skip(args, kwargs) -> bool:

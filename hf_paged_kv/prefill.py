@@ -50,6 +50,58 @@ def prepare_forward(pool: KVPool, sequences: list[Sequence] | None, ids: np.ndar
     return sequences, plan, inherited
 
 
+def shared_prefixes(pool: KVPool, model: str, tenant: str, ids: np.ndarray, real: np.ndarray) -> list[list[int]]:
+    """The longest whole-block prefixes that several rows of a fresh batch share and the pool
+    does not hold yet, each once (a prefix inside another chosen one is left out): computed
+    first, they are then inherited by every row instead of being computed once per row."""
+    size, index = pool.block_size, pool.reuse.index
+    rows = {ids[b][real[b]].tobytes(): ids[b][real[b]] for b in range(len(ids))}.values()  # distinct prompts
+    chains = [(tokens, index.chain(index.root(model, tenant), tokens[: (len(tokens) - 1) // size * size]))
+              for tokens in rows]
+    counts: dict[bytes, int] = {}
+    for _, chain in chains:
+        for digest in chain:
+            counts[digest] = counts.get(digest, 0) + 1
+    now, ends = pool.policy.now(), {}
+    for tokens, chain in chains:
+        shared = [d for d, digest in enumerate(chain) if counts[digest] > 1]
+        if shared and index.lookup(chain[shared[-1]], now) is None:
+            ends[chain[shared[-1]]] = (tokens[: (shared[-1] + 1) * size], set(chain[: shared[-1]]))
+    inner = set().union(*(inside for _, inside in ends.values())) if ends else set()
+    return [tokens.tolist() for digest, (tokens, _) in ends.items() if digest not in inner]
+
+
+def compute_prefixes(pool: KVPool, model: str, tenant: str, prefixes: list[list[int]], run) -> None:
+    """Compute `prefixes` in one packed forward (`run(plan, ids, positions)` runs the model) and
+    leave their blocks cached for the rows that follow. A pool too full for them skips it."""
+    sequences = [Sequence() for _ in prefixes]
+    with pool.locked():
+        for sequence, tokens in zip(sequences, prefixes):
+            blocks, length = pool.reuse.inherit(model, tenant, np.asarray(tokens), len(tokens),
+                                                lambda digest, after: pool.promote(digest, model, after))
+            sequence.blocks, sequence.length, sequence.tokens = blocks, length, tokens[:length]
+        counts = [len(t) - s.length for t, s in zip(prefixes, sequences)]
+        try:
+            pool.grow(sequences, counts)
+        except PoolExhaustedError:
+            counts = []
+    try:
+        if counts and sum(counts):
+            plan = planner.plan_packed(sequences, counts, pool.block_size)
+            with pool.locked():
+                pool.mark_written(plan.slot_mapping)
+            run(plan, np.concatenate([t[s.length :] for t, s in zip(prefixes, sequences)]),
+                np.concatenate([np.arange(s.length, len(t)) for t, s in zip(prefixes, sequences)]))
+            with pool.locked():
+                for sequence, tokens in zip(sequences, prefixes):
+                    sequence.tokens, sequence.length = list(tokens), len(tokens)
+                    pool.reuse.index_sequence(model, tenant, sequence, 0)
+    finally:
+        with pool.locked():
+            for sequence in sequences:
+                pool.decref(sequence.blocks)
+
+
 def duplicate_rows(ids: np.ndarray, real: np.ndarray) -> np.ndarray:
     """For each row, the first row with the same tokens and padding (itself if none)."""
     first: dict[bytes, int] = {}

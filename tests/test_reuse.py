@@ -276,3 +276,23 @@ def test_priority_raises_a_prefix_value_in_eviction(model):
     run(model, [ordinary], new_tokens=1)
     pool.allocate(pool.num_free() + 5)  # five evictions
     assert on_device(model, important) == 40 and on_device(model, ordinary) == 0
+
+
+def test_cold_batch_computes_a_shared_prefix_once(model):
+    """A fresh batch whose rows share a system prompt no request has computed yet: it is
+    computed once, in a forward of its own, and every row inherits it."""
+    system = tokens(64, 60)
+    rows = [torch.cat([system, tokens(3 + 2 * i, 61 + i)]) for i in range(5)] + [tokens(20, 70)]
+    ids, mask = left_padded(rows)
+    expected = greedy(model, DynamicCache(), ids, mask)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=BLOCK))
+    widths = ForwardWidths(model)
+    with PagedCache() as cache:
+        got = greedy(model, cache, ids, mask)
+        inherited = cache.inherited
+    widths.remove()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert widths.widths[0] == 64  # the system prompt's 8 blocks, once
+    assert inherited == [64] * 5 + [0]
+    assert widths.widths[1] == 20  # then only the columns some row still computes: the last row's 20 tokens
+    assert_pool_clean(pool)
