@@ -78,6 +78,26 @@ class Admission:
             self._register_inflight(request)
         return count
 
+    # ---------------------------------------------------------- prefetch
+    def prefetch(self, depth: int, watermark: float) -> int:
+        """Bring the first `depth` waiting requests' prefixes back from the host or disk tier
+        before their turn, only into free blocks above `watermark` (a fraction of the pool), so
+        prefetching never evicts anything. The blocks stay cached, unreferenced; returns the
+        tokens brought back."""
+        if self.model is None or self.pool.tiers.empty:
+            return 0
+        keep_free = int(watermark * self.pool.num_blocks) + 1
+
+        def promote(digest: bytes, after: int | None):
+            return self.pool.promote(digest, self.model, after) if self.pool.num_free() > keep_free else None
+
+        brought = 0
+        for request in self.scheduler.waiting[:depth]:
+            with self.pool.locked():
+                brought += self.pool.reuse.bring_back(self.model, request.tenant, np.asarray(request.tokens()),
+                                                      promote)
+        return brought
+
     # ---------------------------------------------------- shared prefixes
     def _chain(self, request: Request) -> list[bytes]:
         tokens = request.tokens()

@@ -60,7 +60,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
                                        "requests_failed", "preemptions", "max_running", "tokens_prefilled",
-                                       "tokens_inherited", "tokens_generated", "steps"), 0)
+                                       "tokens_inherited", "tokens_prefetched", "tokens_generated", "steps"), 0)
         self.incoming: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
@@ -172,6 +172,8 @@ class Engine:
                 self._end(request, "failed", RequestFailed(f"request {request.id} does not fit in the pool: {error}"))
             return True
         if self.counters["preemptions"] == preemptions:  # no admission in a step that preempted
+            self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
+                                                                          self.limits.prefetch_watermark)
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
             batch += self.admission.admit(budget, current_fingerprint(self.model) if self.scheduler.waiting else None,
                                           self.counters, self.metrics)

@@ -32,6 +32,8 @@ class Limits:
     max_batch_tokens: int = 512
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
+    prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
+    prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted

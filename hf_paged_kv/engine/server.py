@@ -95,13 +95,13 @@ class GenerationRequest(BaseModel):
     top_p: float | None = None
     top_k: int | None = None  # extension (vLLM): 0 or -1 is off
     n: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     user: str | None = None
-    ignore_eos: bool = False  # extension (vLLM)
-    return_token_ids: bool = False  # extension (vLLM)
+    ignore_eos: bool | None = False  # extension (vLLM)
+    return_token_ids: bool | None = False  # extension (vLLM)
 
 
 class CompletionRequest(GenerationRequest):
@@ -274,3 +274,286 @@ async def disconnected(request: Request) -> None:
     """Returns when the client of a request whose body was read goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+# ------------------------------------------------------------------------------- the endpoints
+class OpenAIServer:
+    """The endpoints' work: prompts to token ids, OpenAI's parameters to the engine's, the
+    engine's tokens to OpenAI's responses (whole or as server-sent events)."""
+
+    def __init__(self, engine, model_name: str, default_max_tokens: int | None = None):
+        self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.context = getattr(engine.model.config, "max_position_embeddings", None)
+        self.vocab_size = engine.model.get_input_embeddings().num_embeddings
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ prompts
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    def completion_prompt(self, prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise invalid("batched prompts are not supported: send one prompt per request", "prompt")
+            prompt = prompt[0]
+        ids = self.tokenize(prompt, special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
+        out_of_range = [t for t in ids if not 0 <= t < self.vocab_size]
+        if out_of_range:
+            raise invalid(f"token ids {out_of_range[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                          "prompt")
+        if not ids:
+            raise invalid("the prompt is empty", "prompt")
+        return ids
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise invalid("this model's tokenizer has no chat template: use /v1/completions", "messages")
+        if not messages:
+            raise invalid("messages is empty", "messages")
+        rendered = [chat_message(m, i) for i, m in enumerate(messages)]
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+        except Exception as error:  # noqa: BLE001 - templates raise what they like (role order, ...)
+            raise invalid(f"the chat template refused these messages: {error}", "messages") from error
+        return self.tokenize(text, special=False)  # the template already holds the special tokens
+
+    def tokenize(self, text: str, special: bool) -> list[int]:
+        if self.tokenizer is None:
+            raise invalid("this server has no tokenizer: send the prompt as a list of token ids", "prompt")
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
+
+    # --------------------------------------------------------------- parameters
+    def sampling(self, body: GenerationRequest, prompt_length: int, max_tokens: int) -> dict:
+        """The engine's `submit` arguments for these OpenAI parameters (400 on a bad one)."""
+        if body.n not in (None, 1):
+            raise invalid("n must be 1: this server returns one choice per request", "n")
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0 <= temperature <= 2:
+            raise invalid(f"temperature must be in [0, 2], got {temperature}", "temperature")
+        top_p = 1.0 if body.top_p is None else body.top_p
+        if not 0 < top_p <= 1:
+            raise invalid(f"top_p must be in (0, 1], got {top_p}", "top_p")
+        top_k = 0 if body.top_k in (None, -1) else body.top_k
+        if top_k < 0:
+            raise invalid(f"top_k must be >= 0 (0 or -1: off), got {top_k}", "top_k")
+        if body.seed is not None and not 0 <= body.seed < 2**63:
+            raise invalid(f"seed must be in [0, 2**63), got {body.seed}", "seed")
+        self.check_length(prompt_length, max_tokens)
+        return dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
+                    top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=[] if body.ignore_eos else None)
+
+    def check_length(self, prompt_length: int, max_tokens: int) -> None:
+        if max_tokens < 1:
+            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+        total = prompt_length + max_tokens
+        if self.context is not None and total > self.context:
+            raise invalid(f"This model's maximum context length is {self.context} tokens. However, you requested "
+                          f"{total} tokens ({prompt_length} in the prompt, {max_tokens} for the completion). "
+                          "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+        pool = self.engine.pool
+        if math.ceil(total / pool.block_size) > pool.num_blocks:
+            raise invalid(f"{total} tokens ({prompt_length} in the prompt, {max_tokens} for the completion) need "
+                          f"more KV blocks than the server's pool holds ({pool.num_blocks} of {pool.block_size} "
+                          "tokens): reduce max_tokens", "max_tokens", "kv_pool_too_small")
+
+    def stop_strings(self, stop) -> list[str]:
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        if stops and self.tokenizer is None:
+            raise invalid("stop strings need a tokenizer, which this server lacks", "stop")
+        return stops
+
+    def chat_max_tokens(self, body: ChatRequest, prompt_length: int) -> int:
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if asked is not None:
+            return asked
+        room = self.context - prompt_length if self.context is not None else 256
+        return min(room, self.default_max_tokens) if self.default_max_tokens else room
+
+    @staticmethod
+    def who(request: Request, body: GenerationRequest) -> tuple[str, int]:
+        """The tenant (X-Tenant header, else `user`, else "default") and priority (X-Priority)."""
+        tenant = request.headers.get("x-tenant") or body.user or "default"
+        try:
+            priority = int(request.headers.get("x-priority", "0"))
+        except ValueError:
+            raise invalid("the X-Priority header must be an integer", "X-Priority") from None
+        return tenant, priority
+
+    def submit(self, ids: list[int], params: dict, tenant: str, priority: int):
+        try:
+            return self.engine.submit(ids, tenant=tenant, priority=priority, **params)
+        except Overloaded as error:
+            retry = str(max(1, math.ceil(error.retry_after)))
+            raise APIError(429, f"The server is overloaded: {error}", kind="requests", code="rate_limit_exceeded",
+                           headers={"Retry-After": retry}) from error
+        except ValueError as error:
+            raise invalid(str(error)) from error
+        except PagedKVError as error:
+            raise APIError(503, str(error), kind="server_error", code="engine_unavailable") from error
+
+    # ---------------------------------------------------------------- responses
+    async def respond(self, request: Request, body: GenerationRequest, ids: list[int], fmt, max_tokens: int,
+                      context: list[int]):
+        params = self.sampling(body, len(ids), max_tokens)
+        stops = self.stop_strings(body.stop)
+        handle = self.submit(ids, params, *self.who(request, body))
+        eos = set() if body.ignore_eos else set(self.engine.eos)
+        generation = Generation(handle, Detokenizer(self.tokenizer, context), StopMatcher(stops), eos)
+        meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
+        if body.stream:
+            return EventStream(self.events(generation, fmt, meta, ids, body), handle)
+        return await self.complete(request, generation, fmt, meta, ids, bool(body.return_token_ids))
+
+    async def complete(self, request: Request, generation: Generation, fmt, meta: dict, ids: list[int],
+                       with_ids: bool):
+        async def collect() -> str:
+            return "".join([text async for text, _ in generation.pieces()])
+
+        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(request))
+        try:
+            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work.done():
+                work.cancel()
+                generation.handle.cancel()
+        if work not in done:  # the client went away: nobody to answer
+            return Response(status_code=499)
+        choice = fmt.final(work.result(), generation.finish_reason, generation.tokens if with_ids else None)
+        body = meta | {"object": fmt.object, "choices": [choice], "usage": usage(ids, generation)}
+        return JSONResponse(body | ({"prompt_token_ids": ids} if with_ids else {}))
+
+    async def events(self, generation: Generation, fmt, meta: dict, ids: list[int], body: GenerationRequest):
+        want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        with_ids, first = bool(body.return_token_ids), [True]
+
+        def chunk(choices: list[dict], **extra) -> str:
+            payload = meta | {"object": fmt.chunk_object, "choices": choices} | extra
+            if want_usage:
+                payload.setdefault("usage", None)
+            if with_ids and first[0]:
+                payload["prompt_token_ids"], first[0] = ids, False
+            return sse(payload)
+
+        try:
+            if (start := fmt.start()) is not None:
+                yield chunk([start])
+            async for text, piece_ids in generation.pieces():
+                yield chunk([fmt.delta(text, None, piece_ids if with_ids else None)])
+            yield chunk([fmt.delta("", generation.finish_reason, [] if with_ids else None)])
+            if want_usage:
+                yield chunk([], usage=usage(ids, generation))
+        except APIError as error:
+            yield sse(error.body())
+        yield sse("[DONE]")
+
+
+def chat_message(message: dict, index: int) -> dict:
+    """One OpenAI chat message as the chat template expects it: a role and a string content."""
+    where = f"messages[{index}]"
+    role, content = message.get("role"), message.get("content")
+    role = "system" if role == "developer" else role
+    if role not in ("system", "user", "assistant"):
+        raise invalid(f"{where}.role must be system, developer, user or assistant, got {role!r}", f"{where}.role")
+    unknown = set(message) - {"role", "content", "name"}
+    if unknown:
+        raise invalid(f"{where} has fields this server does not support: {sorted(unknown)}", where)
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise invalid(f"{where}.content: only text parts are supported", f"{where}.content")
+        content = "\n".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def usage(ids: list[int], generation: Generation) -> dict:
+    completion = len(generation.tokens)
+    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+
+
+# ------------------------------------------------------------------------------------ the app
+def create_app(engine, model_name: str, *, default_max_tokens: int | None = None) -> FastAPI:
+    """The OpenAI-compatible app on `engine` (started and stopped with the app), serving
+    `model_name`. `default_max_tokens` caps a chat completion without `max_tokens` (by default
+    it may fill the model's context, as OpenAI's does); completions default to 16, as OpenAI's."""
+    server = OpenAIServer(engine, model_name, default_max_tokens)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:  # connections are closed by now: whatever is left has nobody waiting for it
+            await asyncio.to_thread(engine.stop, False)
+
+    app = FastAPI(title="hf_paged_kv", lifespan=lifespan)
+    app.state.engine, app.state.server = engine, server
+    add_error_handlers(app)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_extras(body, NEUTRAL_COMPLETION)
+        server.check_model(body.model)
+        ids = server.completion_prompt(body.prompt)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens
+        return await server.respond(request, body, ids, TextFormat(), max_tokens, ids[-DETOKENIZER_CONTEXT:])
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_extras(body, NEUTRAL_CHAT)
+        server.check_model(body.model)
+        ids = server.chat_prompt(body.messages)
+        return await server.respond(request, body, ids, ChatFormat(), server.chat_max_tokens(body, len(ids)), [])
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card(server)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return model_card(server)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.prometheus(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    @app.get("/health")
+    async def health():
+        alive = engine.thread is not None and engine.thread.is_alive() and engine.accepting
+        return JSONResponse({"status": "ok" if alive else "stopped"}, status_code=200 if alive else 503)
+
+    return app
+
+
+def model_card(server: OpenAIServer) -> dict:
+    card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "hf_paged_kv"}
+    return card | ({"max_model_len": server.context} if server.context is not None else {})
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves in OpenAI's shape; a malformed body is a 400, as OpenAI answers it."""
+
+    async def api_error(request: Request, error: APIError):
+        return error.response()
+
+    async def validation_error(request: Request, error: RequestValidationError):
+        problems = error.errors()
+        fields = [".".join(str(part) for part in p.get("loc", ())[1:]) for p in problems]
+        message = "; ".join(f"{f or 'body'}: {p.get('msg')}" for f, p in zip(fields, problems))
+        return invalid(f"invalid request: {message}", fields[0] if fields else None).response()
+
+    async def http_error(request: Request, error: StarletteHTTPException):
+        kind = "invalid_request_error" if error.status_code < 500 else "server_error"
+        return APIError(error.status_code, str(error.detail), kind=kind, headers=error.headers).response()
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)

@@ -108,6 +108,25 @@ class ReuseManager:
         semantic = sum(1 for e in self.semantic.entries if e.held is not None) if self.semantic is not None else 0
         return {"references_by_pins": pins, "references_by_semantic": semantic}
 
+    def bring_back(self, model: str, tenant: str, tokens, promote: Promote) -> int:
+        """Promote the lower-tier blocks of the longest cached prefix of `tokens` to the device
+        (prefetch), leaving them cached and unreferenced; counts no lookup or hit. Returns the
+        tokens promoted."""
+        now, previous, promoted = self.policy.now(), None, 0
+        for mine, published in self.index.digest_pairs(model, tenant, tokens, (len(tokens) - 1) // self.block_size):
+            block = self.index.lookup(mine, now)
+            block = self.index.lookup(published, now) if block is None else block
+            if block is None:
+                brought = promote(mine, previous) or promote(published, previous)
+                if brought is None:
+                    break
+                block, meta, _ = brought
+                self.index.adopt(block, meta, previous)
+                self.allocator.decref([block])  # cached, unreferenced: evictable as before
+                promoted += self.block_size
+            previous = block
+        return promoted
+
     # --------------------------------------------------------------- offer
     def index_sequence(self, model: str, tenant: str, sequence: Sequence, priority: int) -> None:
         """Index the sequence's full blocks not indexed yet (after a successful forward). Where

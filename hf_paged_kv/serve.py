@@ -1,0 +1,133 @@
+"""Serve a local model over OpenAI's HTTP API, on the paged engine (needs the `serve` extra).
+
+    python -m hf_paged_kv.serve --model DIR [--port 8000] [--host 127.0.0.1]
+        [--num-blocks N | --max-bytes B] [--block-size 16] [--max-batch-tokens 512]
+        [--max-running 64] [--max-waiting 1024] [--dtype float32] [--device auto]
+    hf-paged-kv-serve --model smollm2          # the packaged SmolLM2-135M-Instruct
+
+`DIR` is a directory written by `save_pretrained` (the model and its tokenizer); nothing is
+ever downloaded. Then, with any OpenAI client:
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.chat.completions.create(model=NAME, messages=[...], stream=True)
+
+`NAME` is `--served-model-name`, by default the directory's name (or "smollm2").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+SMOLLM2 = "smollm2"
+DTYPES = ("float32", "float16", "bfloat16", "auto")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="hf-paged-kv-serve", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True,
+                        help=f"a local model directory (save_pretrained), or '{SMOLLM2}' for the packaged SmolLM2")
+    parser.add_argument("--served-model-name", help="the model name clients send (default: the directory's name)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
+    size.add_argument("--max-bytes", type=int, help="KV pool size in bytes (default: the library's sizing)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one forward")
+    parser.add_argument("--max-running", type=int, default=64, help="sequences running at once, at most")
+    parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 429")
+    parser.add_argument("--default-max-tokens", type=int,
+                        help="max_tokens of a chat completion that gives none (default: the rest of the context)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype (the KV pool follows)")
+    parser.add_argument("--device", default="auto", help="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
+    parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    args = parser.parse_args(argv)
+    for name in ("port", "num_blocks", "max_bytes", "block_size", "max_batch_tokens", "max_running", "max_waiting",
+                 "default_max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    return args
+
+
+def load(model: str, dtype: str, device: str):
+    """`(model, tokenizer)` from a local directory, or the packaged SmolLM2; never downloads."""
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch
+
+    torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
+    path = Path(model).expanduser()
+    if model == SMOLLM2 and not path.is_dir():
+        loaded, tokenizer = load_smollm2(None if dtype == "auto" else torch_dtype)
+    else:
+        check_model_dir(path)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return loaded.to(device), tokenizer
+
+
+def check_model_dir(path: Path) -> None:
+    if not path.exists():
+        raise SystemExit(f"error: --model {path}: no such directory. Give a directory written by save_pretrained "
+                         f"(config.json, weights, tokenizer files), or '{SMOLLM2}' for the packaged SmolLM2.")
+    if not path.is_dir():
+        raise SystemExit(f"error: --model {path} is a file; give the model's directory (written by save_pretrained)")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"error: --model {path} has no config.json: it is not a model directory written by "
+                         "save_pretrained")
+
+
+def load_smollm2(dtype):
+    """The packaged SmolLM2, through whichever module ships its loader."""
+    loader = None
+    for module in ("hf_paged_kv.real_model", "examples.real_model", "real_model"):
+        try:
+            loader = getattr(__import__(module, fromlist=["load_smollm2"]), "load_smollm2", None)
+        except ImportError:
+            continue
+        if loader is not None:
+            break
+    if loader is None:
+        raise SystemExit(f"error: --model {SMOLLM2} needs the SmolLM2 loader (hf_paged_kv.real_model.load_smollm2), "
+                         "which this installation lacks; pass a model directory instead")
+    try:
+        return loader(dtype=dtype)
+    except Exception as error:  # noqa: BLE001 - missing GGUF package, gguf, disk space: say it plainly
+        raise SystemExit(f"error: could not load the packaged SmolLM2: {error}") from error
+
+
+def build_app(args: argparse.Namespace):
+    """The FastAPI app for these arguments (the model loaded, the engine built, not started)."""
+    from hf_paged_kv import Engine, KVPool
+
+    from .engine.server import create_app
+
+    model, tokenizer = load(args.model, args.dtype, args.device)
+    pool = KVPool(num_blocks=args.num_blocks, max_bytes=args.max_bytes, block_size=args.block_size)
+    engine = Engine(model, tokenizer=tokenizer, pool=pool, max_running=args.max_running,
+                    max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting)
+    name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)
+    return create_app(engine, name, default_max_tokens=args.default_max_tokens)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        import uvicorn
+    except ImportError:
+        raise SystemExit("error: serving needs the `serve` extra: pip install 'hf_paged_kv[serve]'") from None
+    app = build_app(args)
+    print(f"hf_paged_kv: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1 "
+          f"({app.state.engine.pool.num_blocks} KV blocks of {args.block_size} tokens)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()
