@@ -58,18 +58,14 @@ class KVPool:
                  memory_fraction: float | None = None, dtype: torch.dtype | None = None, ttl: float | None = None,
                  half_life: float = 600.0, semantic=None, pin_budget: float = 0.25, hot_threshold: float | None = 8.0,
                  host_blocks: int | None = None, disk_dir=None, disk_bytes: int = 1 << 30):
-        sizing.check_arguments(num_blocks, block_size, max_bytes, memory_fraction)
-        check_settings(pin_budget, hot_threshold)
-        if host_blocks is not None and host_blocks < 1:
-            raise ValueError(f"host_blocks must be >= 1, got {host_blocks}")
-        if disk_dir is not None and disk_bytes < 1:
-            raise ValueError(f"disk_bytes must be >= 1, got {disk_bytes}")
-        self.block_size, self.dtype = block_size, dtype
-        self.policy = Policy(half_life, ttl)
-        self.semantic = semantic
         self.options = dict(num_blocks=num_blocks, max_bytes=max_bytes, memory_fraction=memory_fraction,
                             pin_budget=pin_budget, hot_threshold=hot_threshold, host_blocks=host_blocks,
                             disk_dir=disk_dir, disk_bytes=disk_bytes)
+        sizing.check_options(block_size, self.options)
+        check_settings(pin_budget, hot_threshold)
+        self.block_size, self.dtype = block_size, dtype
+        self.policy = Policy(half_life, ttl)
+        self.semantic = semantic
         self.layers: list[LayerSpec] = []
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
@@ -125,25 +121,30 @@ class KVPool:
         """Queue `work()` for the next `locked()` (from a finalizer, which must not take locks)."""
         self._deferred.append(work)
 
-    def settle(self) -> None:
-        """Run the work finalizers queued (releases of garbage-collected caches) now."""
-        with self.locked():
-            pass
-
     # ---------------------------------------------------------------- allocator
     def allocate(self, count: int, after: int | None = None) -> list[int]:
         """Take `count` blocks (reference count 1 each), continuing the run ending at `after`
         where possible; cached blocks are evicted (and demoted) when the free ones run short.
         Raises PoolExhaustedError, taking nothing, when even eviction cannot make room."""
         with self.locked():
-            self.reserve_check(count)
-            if count > self.allocator.num_free:
-                self._evict(count - self.allocator.num_free)
-            if count > self.allocator.num_free:  # shared semantic blocks did not free as counted
-                raise PoolExhaustedError(count, self.allocator.num_free, self.num_blocks)
+            self._ensure_free(count)
             return self.allocator.take(count, after)
 
+    def make_free(self, count: int) -> None:
+        """Evict (and demote) cached blocks until `count` blocks are free, ahead of need."""
+        with self.locked():
+            self._evict(count - self.allocator.num_free)
+
+    def _ensure_free(self, count: int) -> None:
+        """Evict (and demote) cached blocks until `count` are free, or raise PoolExhaustedError."""
+        self.reserve_check(count)
+        self._evict(count - self.allocator.num_free)
+        if count > self.allocator.num_free:  # shared semantic blocks did not free as counted
+            raise PoolExhaustedError(count, self.allocator.num_free, self.num_blocks)
+
     def _evict(self, count: int) -> None:
+        if count <= 0:
+            return
         for block, meta in self.reuse.evict(count, self.policy.now()):
             self.tiers.demote(meta, self.block_layers(block))
 
@@ -199,11 +200,7 @@ class KVPool:
                     shared[partial] += 1
                     copies.append(sequence)
             needed = sum(s.blocks_needed(c, size) for s, c in zip(sequences, counts) if c) + len(copies)
-            self.reserve_check(needed)
-            if needed > self.allocator.num_free:
-                self._evict(needed - self.allocator.num_free)
-            if needed > self.allocator.num_free:  # shared semantic blocks did not free as counted
-                raise PoolExhaustedError(needed, self.allocator.num_free, self.num_blocks)
+            self._ensure_free(needed)
             take = self.allocator.take
             for sequence in copies:
                 index = sequence.length // size

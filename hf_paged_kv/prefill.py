@@ -113,7 +113,8 @@ def prompt_vectors(pool: KVPool, ids: np.ndarray, real: np.ndarray, canonical: n
     Runs before the pool's lock is taken: embedding is slow."""
     if pool.semantic is None:
         return [None] * len(ids)
-    pool.settle()  # rows released by the garbage collector join the semantic index's queue first
+    with pool.locked():  # runs queued finalizer work: rows the garbage collector released join the queue first
+        pass
     return [pool.reuse.embed(ids[b][real[b]]) if canonical[b] == b else None for b in range(len(ids))]
 
 

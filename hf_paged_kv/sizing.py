@@ -13,7 +13,9 @@ DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
 DEFAULT_DEVICE_FRACTION = 0.5  # of the free memory of each accelerator holding layers
 
 
-def check_arguments(num_blocks, block_size, max_bytes, memory_fraction) -> None:
+def check_options(block_size: int, options: dict) -> None:
+    """KVPool's arguments, checked at construction."""
+    num_blocks, max_bytes, memory_fraction = options["num_blocks"], options["max_bytes"], options["memory_fraction"]
     if sum(x is not None for x in (num_blocks, max_bytes, memory_fraction)) > 1:
         raise ValueError("give at most one of num_blocks, max_bytes and memory_fraction")
     if not isinstance(block_size, int) or block_size < 1:
@@ -24,6 +26,10 @@ def check_arguments(num_blocks, block_size, max_bytes, memory_fraction) -> None:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
     if memory_fraction is not None and not 0 < memory_fraction <= 1:
         raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+    if options["host_blocks"] is not None and options["host_blocks"] < 1:
+        raise ValueError(f"host_blocks must be >= 1, got {options['host_blocks']}")
+    if options["disk_dir"] is not None and options["disk_bytes"] < 1:
+        raise ValueError(f"disk_bytes must be >= 1, got {options['disk_bytes']}")
 
 
 def block_bytes(layers, block_size: int, dtype: torch.dtype) -> int:

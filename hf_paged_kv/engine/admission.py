@@ -28,6 +28,7 @@ class Admission:
         self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
         self.recent: deque = deque(maxlen=32)  # (tokens, seconds) of recent steps
         self.copy_seconds_per_block = 0.0
+        self.on_admit = lambda waited: None  # the engine records queue waits for the controller
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, counters: dict, metrics) -> list[tuple[Request, int]]:
@@ -48,6 +49,7 @@ class Admission:
             request.admitted = time.monotonic()
             counters["tokens_inherited"] += request.inherited
             metrics.queue.observe(request.admitted - request.arrived)
+            self.on_admit(request.admitted - request.arrived)
             metrics.prompt_tokens.labels("inherited").inc(request.inherited)
             admitted.append((request, count))
             budget -= count

@@ -28,6 +28,8 @@ from ..pool import KVPool
 from ..sequence import Sequence
 from . import runner
 from .admission import Admission
+from .controller import SLO, Thresholds
+from .load import LoadControl
 from .metrics import EngineMetrics
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
@@ -45,11 +47,14 @@ class Engine:
         pool: the KVPool to enable the model with (if it is not enabled yet).
         max_running, max_batch_tokens, max_waiting: scheduler limits.
         limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above.
+        controller: adapt the knobs to the load (`controller.Controller`); False keeps them fixed.
+        slo: service-level targets (`controller.SLO`): used by the controller, reported as goodput.
     """
 
     def __init__(self, model, tokenizer=None, pool: KVPool | None = None, max_running: int = 64,
                  max_batch_tokens: int = 512, max_waiting: int = 1024, backend: str = "auto",
-                 limits: Limits | None = None):
+                 limits: Limits | None = None, controller: bool = True, slo: SLO | None = None,
+                 thresholds: Thresholds | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.pool = enable(model, pool=pool, backend=backend)
         self.backend = state_of(model).backend
@@ -58,6 +63,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.limits)
         self.admission = Admission(self.pool, self.scheduler)
         self.metrics = EngineMetrics()
+        self.load = LoadControl(self, controller, slo or SLO(), thresholds)
+        self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
         self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
                                        "requests_failed", "preemptions", "max_running", "tokens_prefilled",
                                        "tokens_inherited", "tokens_prefetched", "tokens_generated", "steps"), 0)
@@ -102,11 +109,15 @@ class Engine:
         ids = self._prompt_ids(prompt)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
+        self.load.arrival()
         backlog = len(self.scheduler.waiting) + self.incoming.qsize()
-        if backlog >= self.limits.max_waiting:
+        if backlog >= self.limits.max_waiting or self.load.refuses(priority):
             self.counters["requests_rejected"] += 1
             self.metrics.requests.labels("rejected").inc()
-            raise Overloaded(self.retry_after(), f"{backlog} requests are waiting (max_waiting={self.limits.max_waiting})")
+            self.load.signals.record("rejection")
+            why = (f"{backlog} requests are waiting (max_waiting={self.limits.max_waiting})"
+                   if backlog >= self.limits.max_waiting else f"overloaded: priority {priority} is shed for now")
+            raise Overloaded(self.retry_after(), why)
         request = Request(ids, params, tenant=tenant, priority=priority)
         if seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(seed)
@@ -139,6 +150,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             self._intake()
+            self.load.tick()
             if not self.accepting and (not self.draining or not self._busy()):
                 break
             if not self.step():
@@ -210,8 +222,10 @@ class Engine:
         if request.first_token is None:
             request.first_token = now
             self.metrics.ttft.observe(now - request.arrived)
+            self.load.signals.record("ttft", now - request.arrived, now)
         else:
             self.metrics.itl.observe(now - request.last_token)
+            self.load.signals.record("token_latency", now - request.last_token, now)
         request.last_token = now
         if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
             self._end(request, "finished")
@@ -227,9 +241,16 @@ class Engine:
         self.metrics.requests.labels(outcome).inc()
         if outcome == "finished":
             self.metrics.e2e.observe(request.finished - request.arrived)
+            self.load.finished(request)
         request.stream.close(error)
 
+    def turn_away(self, request: Request) -> None:
+        """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
+        self.load.signals.record("rejection")
+        self._end(request, "rejected", Overloaded(self.retry_after(), "overloaded: this priority is shed for now"))
+
     def _preempt(self, request: Request) -> None:
+        self.load.signals.record("preemption")
         mode = self.admission.preempt(request)
         self.counters["preemptions"] += 1
         self.metrics.preemptions.labels(mode).inc()
@@ -245,7 +266,7 @@ class Engine:
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Request and token counters, the high-water mark of running sequences, and the pool's stats."""
-        return self.pool.stats() | self.counters | {
+        return self.pool.stats() | self.counters | self.load.stats() | {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
             "growth_ratio": self.scheduler.growth_ratio,

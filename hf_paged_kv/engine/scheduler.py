@@ -34,6 +34,7 @@ class Limits:
     watermark: float = 0.0  # fraction of the pool admissions leave free
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
+    demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted

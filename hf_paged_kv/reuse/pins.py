@@ -148,6 +148,17 @@ class PinRegistry:
             self.remove(pin)  # superseded by the longer hot prefix
         self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
 
+    def shrink_to(self, budget: float) -> None:
+        """A new budget (a fraction of the pool); pins beyond it give way, lowest priority and
+        then oldest first (automatic hot-spot pins, priority -1, before any other)."""
+        check_settings(budget, self.hot_threshold)
+        self.budget = budget
+        for pin in sorted(self.pins.values(), key=lambda p: (p.priority, p.created)):
+            if len(self.pinned_blocks()) <= self.budget_blocks:
+                break
+            self.remove(pin)
+            self.refused += 1
+
     def release_all(self) -> None:
         """Drop every pin (the blocks stay cached)."""
         for pin in list(self.pins.values()):

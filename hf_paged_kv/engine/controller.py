@@ -1,0 +1,197 @@
+"""The load controller: watches the engine's signals and retunes it as load rises and falls.
+
+Three states, entered and left on thresholds with hysteresis and a minimum dwell so it never
+flaps:
+
+- **normal**: every knob at its configured value;
+- **pressure** (KV memory nearly full, preemptions, or time to first token past its target):
+  admissions keep a watermark of the pool free and reserve more for growth, pins give way
+  (smaller pin budget, higher hot threshold), the decay half-life shortens so cold prefixes
+  leave sooner, prefetching stops, and cold cached blocks are demoted to the host tier ahead
+  of need;
+- **overload** (requests wait far longer than the target): all of the above, and the lowest
+  priorities are shed – new requests refused and waiting ones turned away with an honest
+  `retry_after` – raising the shed level one priority at a time while overload lasts.
+
+Independently of the state, the batch token budget shrinks when the per-token latency breaks
+its target and grows back while there is a queue and headroom. Every knob is bounded, every
+change is logged and counted (`controller_actions_total{knob=...}`), and the current values
+are in `engine.stats()` and the metrics.
+
+    >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from .signals import Signals
+
+log = logging.getLogger("hf_paged_kv.controller")
+STATES = ("normal", "pressure", "overload")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level targets: seconds to the first token, seconds between tokens."""
+
+    ttft: float = 2.0
+    per_token: float = 0.5
+
+
+@dataclass
+class Thresholds:
+    kv_high: float = 0.90  # enter pressure above this KV usage (short window)
+    kv_low: float = 0.75  # leave pressure below this (long window)
+    overload_wait: float = 2.0  # enter overload when the p95 queue wait exceeds this many TTFT targets
+    recover_wait: float = 0.5  # leave overload below this many TTFT targets
+    dwell: float = 5.0  # seconds a state is kept at least
+    tick: float = 0.5  # seconds between decisions
+
+
+@dataclass
+class Knob:
+    """One actuator: its value per state (a state without one leaves the knob to a rule),
+    bounds, and how to apply a value."""
+
+    name: str
+    value: float  # the configured value, applied now
+    targets: dict[str, float]
+    low: float
+    high: float
+    apply: Callable[[float], None]
+
+    def move_to(self, value: float) -> bool:
+        value = min(self.high, max(self.low, value))
+        if value == self.value:
+            return False
+        self.value = value
+        self.apply(value)
+        return True
+
+
+class Controller:
+    def __init__(self, knobs: list[Knob], slo: SLO, thresholds: Thresholds | None = None,
+                 on_action: Callable[[str, float], None] = lambda knob, value: None):
+        self.knobs = {k.name: k for k in knobs}
+        self.slo, self.limits = slo, thresholds or Thresholds()
+        self.on_action = on_action
+        self.state, self.entered, self.last_tick = "normal", None, None
+        self.shed_below = float("-inf")  # priorities below this are refused while overloaded
+        self.shed_since: float | None = None
+
+    def tick(self, signals: Signals, now: float) -> bool:
+        """Read the signals and move the knobs; True when it decided (once per `tick` seconds)."""
+        if self.last_tick is not None and now - self.last_tick < self.limits.tick:
+            return False
+        self.last_tick = now
+        if self.entered is None:
+            self.entered = now
+        reading = signals.read(now)
+        self._transition(reading["short"], reading["long"], now)
+        for knob in self.knobs.values():
+            target = knob.targets.get(self.state)
+            if target is not None and knob.move_to(target):
+                self._act(knob.name, knob.value)
+        self._batch_budget(reading["short"])
+        self._shedding(now)
+        return True
+
+    # ------------------------------------------------------------- states
+    def _transition(self, short: dict, long: dict, now: float) -> None:
+        if now - self.entered < self.limits.dwell:
+            return
+        pressure = (short["kv_usage"] > self.limits.kv_high or short["preemption_rate"] > 0
+                    or short["ttft_p95"] > self.slo.ttft)
+        calm = long["kv_usage"] < self.limits.kv_low and short["preemption_rate"] == 0 and (
+            short["ttft_p95"] < 0.7 * self.slo.ttft)
+        overloaded = short["queue_wait_p95"] > self.limits.overload_wait * self.slo.ttft
+        recovered = short["queue_wait_p95"] < self.limits.recover_wait * self.slo.ttft
+        state = self.state
+        if state != "overload" and overloaded:
+            state = "overload"
+        elif state == "overload" and recovered:
+            state = "pressure"
+        elif state == "normal" and pressure:
+            state = "pressure"
+        elif state == "pressure" and calm:
+            state = "normal"
+        if state != self.state:
+            log.info("controller: %s -> %s (kv %.2f, queue wait p95 %.2fs, ttft p95 %.2fs)", self.state, state,
+                     short["kv_usage"], short["queue_wait_p95"], short["ttft_p95"])
+            self.state, self.entered = state, now
+            self._act("state", STATES.index(state))
+
+    # -------------------------------------------------------------- rules
+    def _batch_budget(self, short: dict) -> None:
+        """Shrink the token budget when per-token latency breaks its target; grow it back while
+        requests queue and latency has headroom."""
+        knob = self.knobs.get("max_batch_tokens")
+        if knob is None:
+            return
+        if short["token_latency_p95"] > self.slo.per_token:
+            value = knob.value * 0.75
+        elif short["queue_depth"] >= 1 and short["token_latency_p95"] < 0.7 * self.slo.per_token:
+            value = knob.value * 1.25
+        else:
+            return
+        if knob.move_to(round(value)):
+            self._act(knob.name, knob.value)
+
+    def _shedding(self, now: float) -> None:
+        """In overload, refuse the lowest priority; one more priority level per dwell it lasts."""
+        if self.state != "overload":
+            if self.shed_below != float("-inf"):
+                self.shed_below, self.shed_since = float("-inf"), None
+                self._act("shed_below_priority", self.shed_below)
+            return
+        if self.shed_since is None:
+            self.shed_below, self.shed_since = 1, now  # priorities 0 and below (the default) go first
+        elif now - self.shed_since >= self.limits.dwell:
+            self.shed_below, self.shed_since = self.shed_below + 1, now
+        else:
+            return
+        self._act("shed_below_priority", self.shed_below)
+
+    def _act(self, knob: str, value: float) -> None:
+        log.info("controller: %s = %s (state %s)", knob, value, self.state)
+        self.on_action(knob, value)
+
+    def settings(self) -> dict[str, float]:
+        return {name: knob.value for name, knob in self.knobs.items()} | {
+            "state": self.state, "shed_below_priority": self.shed_below}
+
+
+def engine_knobs(engine) -> list[Knob]:
+    """The actuators of an engine and its pool, each starting at its configured value."""
+    limits, pool = engine.limits, engine.pool
+    pins, policy = pool.reuse.pins, pool.policy
+
+    def setter(owner, attribute, cast=float):
+        return lambda value: setattr(owner, attribute, cast(value))
+
+    budget, pin_budget, half_life = limits.max_batch_tokens, pins.budget, policy.half_life
+    knobs = [
+        Knob("watermark", limits.watermark, {"normal": limits.watermark, "pressure": 0.05, "overload": 0.10},
+             0.0, 0.3, setter(limits, "watermark")),
+        Knob("growth_reserve", limits.growth_ratio_min,
+             {"normal": limits.growth_ratio_min, "pressure": 0.3, "overload": 0.5}, 0.0, 1.0,
+             setter(limits, "growth_ratio_min")),
+        Knob("max_batch_tokens", budget, {}, max(16, budget // 4), budget * 2, setter(limits, "max_batch_tokens", int)),
+        Knob("pin_budget", pin_budget, {"normal": pin_budget, "pressure": pin_budget / 2, "overload": pin_budget / 4},
+             0.0, 1.0, pins.shrink_to),
+        Knob("half_life", half_life, {"normal": half_life, "pressure": half_life / 4, "overload": half_life / 4},
+             half_life / 16, half_life, setter(policy, "half_life")),
+        Knob("prefetch_depth", limits.prefetch_depth,
+             {"normal": limits.prefetch_depth, "pressure": 0, "overload": 0}, 0, 16, setter(limits, "prefetch_depth", int)),
+    ]
+    if pins.hot_threshold is not None:
+        hot = pins.hot_threshold
+        knobs.append(Knob("hot_threshold", hot, {"normal": hot, "pressure": 2 * hot, "overload": 4 * hot}, hot, 8 * hot,
+                          setter(pins, "hot_threshold")))
+    if pool.tiers.host is not None:
+        knobs.append(Knob("demote_ahead", 0.0, {"normal": 0.0, "pressure": 0.10, "overload": 0.15}, 0.0, 0.5,
+                          setter(limits, "demote_ahead")))
+    return knobs

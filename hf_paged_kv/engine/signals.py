@@ -1,0 +1,64 @@
+"""What the load controller watches: the engine's recent history over a short and a long window.
+
+Events (arrivals, first tokens, per-token gaps, queue waits, preemptions, rejections) are kept
+with their time for the long window; each reading reports, for both windows, rates per second,
+means and 95th percentiles. Levels (queue depth, KV usage, pinned share, hit rates) are sampled
+at each reading and smoothed with an exponential moving average per window.
+
+    >>> signals.read(now)["short"]["ttft_p95"]
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+import numpy as np
+
+EVENTS = ("arrival", "ttft", "token_latency", "queue_wait", "preemption", "rejection")
+LEVELS = ("queue_depth", "kv_usage", "host_usage", "pinned_share", "hit_rate_device", "hit_rate_host",
+          "hit_rate_disk")
+
+
+class Signals:
+    def __init__(self, short: float = 10.0, long: float = 60.0, clock=time.monotonic):
+        self.windows = {"short": short, "long": long}
+        self.clock = clock
+        self.events: dict[str, deque] = {name: deque() for name in EVENTS}
+        self.levels = {window: dict.fromkeys(LEVELS, 0.0) for window in self.windows}
+        self.last_level_time: float | None = None
+
+    def record(self, event: str, value: float = 1.0, now: float | None = None) -> None:
+        self.events[event].append((self.clock() if now is None else now, value))
+
+    def sample_levels(self, values: dict[str, float], now: float | None = None) -> None:
+        """Fold the current levels into each window's moving average."""
+        now = self.clock() if now is None else now
+        elapsed = 0.0 if self.last_level_time is None else now - self.last_level_time
+        self.last_level_time = now
+        for window, span in self.windows.items():
+            keep = math.exp(-elapsed / span) if elapsed else 0.0
+            for name in LEVELS:
+                self.levels[window][name] = keep * self.levels[window][name] + (1 - keep) * values.get(name, 0.0)
+
+    def read(self, now: float | None = None) -> dict[str, dict[str, float]]:
+        """Per window: `<event>_rate` (per second), `<event>_mean`, `<event>_p95`, and the levels."""
+        now = self.clock() if now is None else now
+        self._forget(now)
+        reading = {}
+        for window, span in self.windows.items():
+            values = {}
+            for name, events in self.events.items():
+                recent = np.array([v for t, v in events if t >= now - span], dtype=float)
+                values[f"{name}_rate"] = len(recent) / span
+                values[f"{name}_mean"] = float(recent.mean()) if len(recent) else 0.0
+                values[f"{name}_p95"] = float(np.percentile(recent, 95)) if len(recent) else 0.0
+            reading[window] = values | self.levels[window]
+        return reading
+
+    def _forget(self, now: float) -> None:
+        horizon = now - max(self.windows.values())
+        for events in self.events.values():
+            while events and events[0][0] < horizon:
+                events.popleft()

@@ -1,0 +1,163 @@
+"""The load controller: its state machine on synthetic signals (hysteresis, dwell, bounds, every
+actuator moves and comes back), and an engine under a scripted burst that sheds and recovers."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, make_model
+
+import hf_paged_kv
+from hf_paged_kv import Engine, KVPool, Overloaded
+from hf_paged_kv.engine import SLO, Limits, Thresholds
+from hf_paged_kv.engine.controller import Controller, Knob
+from hf_paged_kv.engine.signals import Signals
+
+CALM = dict(kv_usage=0.2, queue_depth=0)
+FULL = dict(kv_usage=0.97, queue_depth=3)
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def setup(**thresholds):
+    clock = Clock()
+    signals = Signals(short=2.0, long=4.0, clock=clock)
+    applied = []
+    knobs = [Knob("watermark", 0.0, {"normal": 0.0, "pressure": 0.05, "overload": 0.1}, 0.0, 0.08,
+                  lambda v: applied.append(("watermark", v))),
+             Knob("max_batch_tokens", 256, {}, 64, 512, lambda v: applied.append(("max_batch_tokens", v)))]
+    actions = []
+    controller = Controller(knobs, SLO(ttft=1.0, per_token=0.1), Thresholds(dwell=3.0, tick=0.5, **thresholds),
+                            on_action=lambda knob, value: actions.append((knob, value)))
+    return clock, signals, controller, applied, actions
+
+
+def run(clock, signals, controller, levels, seconds, events=()):
+    """Advance the clock in ticks, feeding levels (and events) each tick."""
+    end = clock.now + seconds
+    while clock.now < end:
+        clock.now += 0.5
+        for name, value in events:
+            signals.record(name, value, clock.now)
+        signals.sample_levels(levels, clock.now)
+        controller.tick(signals, clock.now)
+
+
+def test_pressure_is_entered_and_left_with_hysteresis_and_dwell():
+    clock, signals, controller, applied, actions = setup()
+    run(clock, signals, controller, CALM, 4)
+    assert controller.state == "normal"
+    run(clock, signals, controller, FULL, 8)  # the short window's average needs a few seconds to pass 0.9
+    assert controller.state == "pressure"
+    assert ("watermark", 0.05) in applied
+    # between the thresholds (above kv_low, below kv_high): neither entry nor exit, no flapping
+    transitions = sum(1 for knob, _ in actions if knob == "state")
+    run(clock, signals, controller, dict(kv_usage=0.8, queue_depth=0), 20)
+    assert controller.state == "pressure" and sum(1 for k, _ in actions if k == "state") == transitions
+    run(clock, signals, controller, CALM, 20)
+    assert controller.state == "normal" and applied[-1] == ("watermark", 0.0)  # the actuator came back
+
+
+def test_a_brief_spike_inside_the_dwell_changes_nothing():
+    clock, signals, controller, _, actions = setup()
+    run(clock, signals, controller, FULL, 8)
+    assert controller.state == "pressure"
+    entered = clock.now
+    run(clock, signals, controller, CALM, 1.0)  # calm again, but within the dwell: stays
+    assert controller.state == "pressure" and clock.now - entered < 3.0
+
+
+def test_overload_sheds_one_priority_level_per_dwell_and_recovers():
+    clock, signals, controller, applied, actions = setup()
+    run(clock, signals, controller, FULL, 4, events=[("queue_wait", 5.0)])
+    assert controller.state == "overload"
+    assert controller.shed_below == 1 and ("watermark", 0.08) in applied  # bounded: 0.1 clamped to 0.08
+    run(clock, signals, controller, FULL, 3.5, events=[("queue_wait", 5.0)])
+    assert controller.shed_below == 2
+    run(clock, signals, controller, CALM, 30)
+    assert controller.state == "normal" and controller.shed_below == float("-inf")
+    sheds = [value for knob, value in actions if knob == "shed_below_priority"]
+    assert sheds[:2] == [1, 2] and sheds[-1] == float("-inf")  # one level per dwell, cleared on recovery
+
+
+def test_batch_budget_shrinks_on_slow_tokens_and_grows_back_with_a_queue():
+    clock, signals, controller, applied, _ = setup()
+    run(clock, signals, controller, CALM, 4, events=[("token_latency", 0.5)])
+    shrunk = controller.knobs["max_batch_tokens"].value
+    assert 64 <= shrunk < 256
+    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 20, events=[("token_latency", 0.01)])
+    assert controller.knobs["max_batch_tokens"].value > shrunk and controller.knobs["max_batch_tokens"].value <= 512
+
+
+def test_every_engine_actuator_moves_under_pressure_and_comes_back():
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=64, block_size=8, host_blocks=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)
+    engine = Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0))
+    controller, signals = engine.load.controller, engine.load.signals
+    before = controller.settings()
+    now = time.monotonic()
+    for _ in range(3):
+        now += 1.0
+        signals.sample_levels(FULL, now)
+        signals.record("preemption", 1.0, now)
+        controller.tick(signals, now)
+    assert controller.state == "pressure"
+    moved = {name for name, value in controller.settings().items() if value != before[name]}
+    assert {"watermark", "growth_reserve", "pin_budget", "half_life", "prefetch_depth", "hot_threshold",
+            "demote_ahead"} <= moved
+    assert pool.policy.half_life == 150.0 and engine.limits.prefetch_depth == 0 and pool.reuse.pins.budget == 0.125
+    for _ in range(80):
+        now += 1.0
+        signals.sample_levels(CALM, now)
+        controller.tick(signals, now)
+    assert controller.state == "normal"
+    assert {k: v for k, v in controller.settings().items() if k != "max_batch_tokens"} == {
+        k: v for k, v in before.items() if k != "max_batch_tokens"}
+    assert pool.policy.half_life == 600.0 and pool.reuse.pins.budget == 0.25
+    hf_paged_kv.disable(model)
+
+
+def test_engine_under_a_burst_sheds_the_lowest_priority_and_recovers():
+    """Tight targets and a burst of low-priority requests: the engine enters overload, refuses
+    priority-0 requests with a retry_after while serving priority-5 ones, and returns to normal
+    after the burst; every request either finished or was refused, and nothing leaked."""
+    model = make_model("llama", seed=2)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8),
+                    limits=Limits(max_running=2, max_batch_tokens=64), slo=SLO(ttft=0.05, per_token=1.0),
+                    thresholds=Thresholds(dwell=0.2, tick=0.05))
+    prompt = lambda seed: torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa
+    handles, refused = [], []
+    with engine:
+        for i in range(40):
+            try:
+                handles.append(engine.submit(prompt(i), max_new_tokens=8, priority=5 if i % 4 == 0 else 0))
+            except Overloaded as error:
+                refused.append(error)
+                assert error.retry_after >= 1.0
+        states = set()
+        for handle in handles:
+            try:
+                handle.result(timeout=120)
+            except Overloaded as error:
+                refused.append(error)
+            states.add(engine.load.controller.state)
+        assert "overload" in states or engine.stats()["controller"]["state"] != "normal" or refused
+        deadline = time.monotonic() + 30
+        while engine.load.controller.state != "normal" and time.monotonic() < deadline:
+            time.sleep(0.1)  # idle: the short window forgets the burst
+    stats = engine.stats()
+    assert refused and stats["requests_rejected"] == len(refused)
+    assert all(h.outcome in ("finished", "rejected") for h in handles)
+    assert all(h.outcome == "finished" for h in handles if h.request.priority == 5)  # the high priority is served
+    assert engine.load.controller.state == "normal" and engine.load.controller.shed_below == float("-inf")
+    assert stats["requests_finished"] + stats["requests_rejected"] == 40
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
