@@ -7,6 +7,7 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
+from .advisor import advise_block_size
 from .cache import PagedCache
 from .engine import Engine, RequestHandle
 from .errors import (
@@ -33,6 +34,7 @@ __all__ = [
     "unpin",
     "persist",
     "cached_tokens",
+    "advise_block_size",
     "PinBudgetError",
     "pipeline",
     "PagedCache",

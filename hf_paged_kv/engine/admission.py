@@ -27,6 +27,7 @@ class Admission:
         self.pool, self.scheduler = pool, scheduler
         self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
         self.recent: deque = deque(maxlen=32)  # (tokens, seconds) of recent steps
+        self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.copy_seconds_per_block = 0.0
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
 

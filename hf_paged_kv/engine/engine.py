@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from ..advisor import Advice, advise_block_size
 from ..errors import Overloaded, PagedKVError, PoolExhaustedError
 from ..integration import current_fingerprint, enable, state_of
 from ..pool import KVPool
@@ -242,6 +243,7 @@ class Engine:
         if outcome == "finished":
             self.metrics.e2e.observe(request.finished - request.arrived)
             self.load.finished(request)
+            self.admission.lengths.append(len(request.prompt) + len(request.generated))
         request.stream.close(error)
 
     def turn_away(self, request: Request) -> None:
@@ -271,6 +273,11 @@ class Engine:
             "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
             "growth_ratio": self.scheduler.growth_ratio,
         }
+
+    def advise_block_size(self, shared_prefix_lengths=()) -> Advice:
+        """The block size the observed sequence lengths suggest for the next start (see
+        `hf_paged_kv.advisor`); a live pool keeps its own."""
+        return advise_block_size(self.admission.lengths or [1], shared_prefix_lengths)
 
     def prometheus(self) -> str:
         """The metrics in Prometheus' text exposition format."""

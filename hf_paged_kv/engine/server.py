@@ -554,6 +554,10 @@ def add_error_handlers(app: FastAPI) -> None:
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
         return APIError(error.status_code, str(error.detail), kind=kind, headers=error.headers).response()
 
+    async def unexpected(request: Request, error: Exception):
+        return APIError(500, f"internal error: {error!r}", kind="server_error").response()
+
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
