@@ -131,12 +131,7 @@ def _contiguous_starts(tables: np.ndarray, kv_lens: np.ndarray, block_size: int)
 
 def _needs_logical(sequences: list[Sequence], real: np.ndarray) -> bool:
     """Whether some row has a pad after a stored token, in its history or in this forward."""
-    for sequence, row in zip(sequences, real):
-        history = np.concatenate([np.frombuffer(bytes(sequence.history), dtype=np.uint8).astype(bool), row])
-        stored = np.flatnonzero(history)
-        if len(stored) and not history[stored[0] :].all():
-            return True
-    return False
+    return any(sequence.gapped(row) for sequence, row in zip(sequences, real))
 
 
 def _logical_positions(sequences, real, before, skip) -> tuple[np.ndarray, np.ndarray]:

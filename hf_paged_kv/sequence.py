@@ -23,6 +23,15 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # id of each stored token (-1: only its embedding was known)
     history: bytearray = field(default_factory=bytearray)  # per logical position: 1 stored, 0 pad
     digests: list[bytes] = field(default_factory=list)  # chained digests of the leading blocks indexed for reuse
+    gap: bool = field(init=False, default=False)  # a pad follows a stored token in `history` (see `gapped`)
+
+    def __post_init__(self):
+        self._find_gap()
+
+    def _find_gap(self) -> None:
+        history = np.frombuffer(bytes(self.history), dtype=np.uint8)
+        stored = np.flatnonzero(history)
+        self.gap = bool(len(stored)) and not history[stored[0] :].all()
 
     @property
     def logical_length(self) -> int:
@@ -43,6 +52,7 @@ class Sequence:
     def append(self, real: np.ndarray, stored_ids: np.ndarray) -> None:
         """Record a finished forward: `real` marks its stored positions (bool per logical
         position), `stored_ids` the ids of the tokens it stored (-1 where unknown)."""
+        self.gap = self.gapped(real)
         self.history.extend(real.astype(np.uint8).tobytes())
         self.tokens.extend(stored_ids.tolist())
         self.length += len(stored_ids)
@@ -61,15 +71,20 @@ class Sequence:
         """Keep the first `logical` positions (pads included); returns the block ids dropped."""
         stored = sum(self.history[:logical])
         del self.history[logical:]
+        self._find_gap()
         return self.truncate(stored, block_size)
 
     def logical_positions(self) -> np.ndarray:
         """Logical position of every stored token."""
         return np.flatnonzero(np.frombuffer(bytes(self.history), dtype=np.uint8))
 
-    def has_holes(self) -> bool:
-        """Whether a pad position follows a stored token (right padding, masks with holes):
-        then stored and logical positions no longer differ by a constant."""
-        history = np.frombuffer(bytes(self.history), dtype=np.uint8)
-        real = np.flatnonzero(history)
-        return bool(len(real)) and not history[real[0] :].all()
+    def gapped(self, real: np.ndarray) -> bool:
+        """Whether a pad position follows a stored token once `real` (the stored columns of a
+        forward) is appended: right padding, masks with holes. Then stored and logical positions
+        no longer differ by a constant, and sliding windows need the logical ones."""
+        if self.gap or not len(real):
+            return self.gap
+        if 1 in self.history:  # a token is stored already: any pad in this forward follows it
+            return not real.all()
+        first = int(real.argmax()) if real.any() else len(real)
+        return not real[first:].all()

@@ -126,8 +126,8 @@ class Engine:
         self.wakeup.set()
         return RequestHandle(request, self)
 
-    def cancel(self, request: Request) -> None:
-        request.cancel_requested = True
+    def cancel(self, request: Request, outcome: str = "cancelled") -> None:
+        request.cancel_requested = outcome
         self.cancelled.put(request)
         self.wakeup.set()
 
@@ -169,7 +169,7 @@ class Engine:
         while not self.cancelled.empty():
             request = self.cancelled.get()
             if request.outcome is None:
-                self._end(request, "cancelled")
+                self._end(request, request.cancel_requested)
 
     def step(self) -> bool:
         """One scheduler step; False when there was nothing to run."""

@@ -65,8 +65,8 @@ class LoadControl:
             return
         if engine.limits.demote_ahead:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
-        for request in list(engine.scheduler.waiting):
-            if self.refuses(request.effective_priority) and now - request.arrived > self.slo.ttft:
+        for request in list(engine.scheduler.waiting):  # not one that streamed tokens (preempted)
+            if self.refuses(request.effective_priority) and now - request.arrived > self.slo.ttft and not request.generated:
                 engine.turn_away(request)
 
     def _counted(self, knob: str, value: float) -> None:

@@ -129,7 +129,7 @@ class Request:
     last_token: float | None = None
     finished: float | None = None
     outcome: str | None = None  # "finished", "cancelled", "failed", "rejected"
-    cancel_requested: bool = False
+    cancel_requested: str | None = None  # the outcome asked for: "cancelled", or "finished" early
     preemptions: int = 0
     inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
@@ -181,6 +181,11 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating; the tokens so far stay readable and `result()` returns them."""
         self.engine.cancel(self.request)
+
+    def finish(self) -> None:
+        """Stop generating because the caller has what it wants (a stop string matched): like
+        `cancel`, but the request counts as finished."""
+        self.engine.cancel(self.request, outcome="finished")
 
     @property
     def done(self) -> bool:

@@ -18,7 +18,10 @@ starts and stops it when it stops.
   send those by default. Unknown fields are refused too.
 - The tenant of a request (whose cached KV it may reuse) is the `X-Tenant` header, else the
   `user` field, else "default"; `X-Priority` (an int) sets its scheduling priority.
-- When the engine sheds load the answer is 429 with `Retry-After` (whole seconds, rounded up).
+- When the engine sheds load the answer is 429 with `Retry-After` (whole seconds, rounded up),
+  also for a request turned away while it waited: a streamed answer's status line waits for the
+  first token, so a request shed or failed before it gets its own status (429, 500); a failure
+  after it ends the stream with an error event and `data: [DONE]`.
 - A client that disconnects, streaming or not, cancels its request; the engine frees its blocks.
 """
 
@@ -77,6 +80,12 @@ class APIError(Exception):
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def rate_limited(error: Overloaded) -> APIError:
+    """429 with `Retry-After` in whole seconds, rounded up."""
+    return APIError(429, f"The server is overloaded: {error}", kind="requests", code="rate_limit_exceeded",
+                    headers={"Retry-After": str(max(1, math.ceil(error.retry_after)))})
 
 
 # ---------------------------------------------------------------------------- request bodies
@@ -148,7 +157,9 @@ class Detokenizer:
         return ""
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        if not ids or self.tokenizer is None:  # a server without a tokenizer answers in token ids only
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class StopMatcher:
@@ -195,12 +206,14 @@ class Generation:
                 if text:
                     yield text, ids
                     ids = []
+        except Overloaded as error:  # shed while it waited (the load controller turned it away)
+            raise rate_limited(error) from error
         except RequestFailed as error:
             raise APIError(500, str(error), kind="server_error") from error
         finally:
             await stream.aclose()
-            if not self.handle.done:
-                self.handle.cancel()
+            if not self.handle.done:  # a stop string matched (finished), or the reader went away
+                self.handle.finish() if stopped else self.handle.cancel()
         if not stopped:
             text, stopped = self.stops.feed(self.detokenizer.advance(final=True))
             text += "" if stopped else self.stops.flush()
@@ -274,6 +287,31 @@ async def disconnected(request: Request) -> None:
     """Returns when the client of a request whose body was read goes away."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def watched(request: Request, generation: Generation, work) -> tuple[bool, Any]:
+    """Awaits `work` unless the client goes away first, which cancels the request:
+    `(True, result)` or `(False, None)`."""
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            generation.handle.cancel()
+    return (True, task.result()) if task in done else (False, None)
+
+
+async def first_piece(pieces) -> tuple[str, list[int]] | None:
+    try:
+        return await pieces.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def collect(generation: Generation) -> str:
+    return "".join([text async for text, _ in generation.pieces()])
 
 
 # ------------------------------------------------------------------------------- the endpoints
@@ -388,9 +426,7 @@ class OpenAIServer:
         try:
             return self.engine.submit(ids, tenant=tenant, priority=priority, **params)
         except Overloaded as error:
-            retry = str(max(1, math.ceil(error.retry_after)))
-            raise APIError(429, f"The server is overloaded: {error}", kind="requests", code="rate_limit_exceeded",
-                           headers={"Retry-After": retry}) from error
+            raise rate_limited(error) from error
         except ValueError as error:
             raise invalid(str(error)) from error
         except PagedKVError as error:
@@ -406,44 +442,40 @@ class OpenAIServer:
         generation = Generation(handle, Detokenizer(self.tokenizer, context), StopMatcher(stops), eos)
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
         if body.stream:
-            return EventStream(self.events(generation, fmt, meta, ids, body), handle)
-        return await self.complete(request, generation, fmt, meta, ids, bool(body.return_token_ids))
-
-    async def complete(self, request: Request, generation: Generation, fmt, meta: dict, ids: list[int],
-                       with_ids: bool):
-        async def collect() -> str:
-            return "".join([text async for text, _ in generation.pieces()])
-
-        work, watch = asyncio.ensure_future(collect()), asyncio.ensure_future(disconnected(request))
-        try:
-            done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-            if not work.done():
-                work.cancel()
-                generation.handle.cancel()
-        if work not in done:  # the client went away: nobody to answer
+            # The status line waits for the first piece: a request shed or failed before its
+            # first token is answered with its own status (429, 500), not a 200 that breaks off.
+            pieces = generation.pieces()
+            arrived, first = await watched(request, generation, first_piece(pieces))
+            if not arrived:
+                return Response(status_code=499)  # the client went away: nobody to answer
+            return EventStream(self.events(generation, fmt, meta, ids, body, pieces, first), handle)
+        arrived, text = await watched(request, generation, collect(generation))
+        if not arrived:
             return Response(status_code=499)
-        choice = fmt.final(work.result(), generation.finish_reason, generation.tokens if with_ids else None)
-        body = meta | {"object": fmt.object, "choices": [choice], "usage": usage(ids, generation)}
-        return JSONResponse(body | ({"prompt_token_ids": ids} if with_ids else {}))
+        with_ids = bool(body.return_token_ids)
+        choice = fmt.final(text, generation.finish_reason, generation.tokens if with_ids else None)
+        answer = meta | {"object": fmt.object, "choices": [choice], "usage": usage(ids, generation)}
+        return JSONResponse(answer | ({"prompt_token_ids": ids} if with_ids else {}))
 
-    async def events(self, generation: Generation, fmt, meta: dict, ids: list[int], body: GenerationRequest):
+    async def events(self, generation: Generation, fmt, meta: dict, ids: list[int], body: GenerationRequest,
+                     pieces, first: tuple[str, list[int]] | None):
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
-        with_ids, first = bool(body.return_token_ids), [True]
+        with_ids, opening = bool(body.return_token_ids), [True]
 
         def chunk(choices: list[dict], **extra) -> str:
             payload = meta | {"object": fmt.chunk_object, "choices": choices} | extra
             if want_usage:
                 payload.setdefault("usage", None)
-            if with_ids and first[0]:
-                payload["prompt_token_ids"], first[0] = ids, False
+            if with_ids and opening[0]:
+                payload["prompt_token_ids"], opening[0] = ids, False
             return sse(payload)
 
         try:
             if (start := fmt.start()) is not None:
                 yield chunk([start])
-            async for text, piece_ids in generation.pieces():
+            if first is not None:
+                yield chunk([fmt.delta(first[0], None, first[1] if with_ids else None)])
+            async for text, piece_ids in pieces:
                 yield chunk([fmt.delta(text, None, piece_ids if with_ids else None)])
             yield chunk([fmt.delta("", generation.finish_reason, [] if with_ids else None)])
             if want_usage:

@@ -1,0 +1,131 @@
+"""The benchmark scripts run end to end at toy sizes (`--smoke`: a tiny random model, a few seconds
+each), print their tables with the method next to them, and leave docs/benchmarks.md alone.
+
+The scripts are started together when the module begins (each is one single-threaded process in
+smoke mode), so the module takes about as long as the slowest two of them."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+DOCS = ROOT / "docs" / "benchmarks.md"
+SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table"]
+NOT_WRITTEN = "(smoke run: docs/benchmarks.md not written)"
+
+
+def start(script: str) -> subprocess.Popen:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU: the CPU paths, as CI runs them
+    return subprocess.Popen([sys.executable, str(BENCH / f"{script}.py"), "--smoke"], cwd=ROOT / "tests", env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def runs(request):
+    """The smoke runs of the scripts this session selected, started at once; docs bytes before."""
+    selected = {item.callspec.params["script"] for item in request.session.items
+                if item.module is request.module and hasattr(item, "callspec") and "script" in item.callspec.params}
+    before = DOCS.read_bytes() if DOCS.exists() else None
+    processes = {script: start(script) for script in SCRIPTS if script in selected}
+    yield processes, before
+    for process in processes.values():
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+
+def tables(text: str) -> list[list[list[str]]]:
+    """The markdown tables in `text`, as rows of cells (header first, separator dropped)."""
+    found, current = [], []
+    for line in text.splitlines() + [""]:
+        if line.startswith("|") and line.endswith("|"):
+            current.append([cell.strip() for cell in line[1:-1].split("|")])
+        elif current:
+            found.append([row for row in current if not set("".join(row)) <= set("-:")])
+            current = []
+    return found
+
+
+EXPECTED = {
+    "bench_reuse": ["### Cross-request reuse", "**1. Support bot**", "PagedCache, warm pool (system prompt published)",
+                    "transformers generate_batch", "tokens against per-request greedy `generate`",
+                    "the pool's reservation (`bytes_total`)", "**2. Multi-turn chat**", "before every PagedCache run "
+                    "the tenant is cleared", "**3. Documents**", "**4. Semantic index**"],
+    "bench_tiers": ["### Pinning and tiers", "**1. Working set 3x the device pool**", "**2. Restart**", "**3. Churn**",
+                    "same tokens as DynamicCache", "DynamicCache (no reuse)"],
+    "bench_paging": ["### Paging on a left-padded batch", "PagedCache skips it",
+                     "the pool's reservation (`bytes_total`)", "blocks in use (`bytes_used`)", "DynamicCache ms/step"],
+    "bench_decode": ["### Decode on uniform rows at long context", "**1. Decode, pool with free space**",
+                     "**2. Decode, fragmented pool**", "**3. Prefill and chunked prefill**",
+                     "chunk after a cached 128-token prefix", "Above 1.05x:"],
+    "compile_table": ["### Ahead-of-time compile for H100/H200", "registers/thread: sm_90, Triton",
+                      "`paged_decode` split", "`paged_decode` merge", "`paged_prefill`", "`write_kv`", "<details>"],
+}
+TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_smoke_run_prints_its_tables_and_leaves_the_docs_alone(runs, script):
+    processes, docs_before = runs
+    stdout, stderr = processes[script].communicate(timeout=600)
+    assert processes[script].returncode == 0, stdout[-3000:] + stderr[-3000:]
+    for text in EXPECTED[script]:
+        assert text in stdout, text
+    found = tables(stdout)
+    assert len(found) == TABLE_COUNT[script], [t[0] for t in found]
+    for table in found:
+        assert len(table) >= 2 and all(len(row) == len(table[0]) for row in table), table  # well-formed rows
+    if script != "compile_table":
+        assert stdout.count("Method: median of 3 runs") + stdout.count("Method: median of 5 runs") >= 1
+        assert "FAILED" not in stdout
+    assert NOT_WRITTEN in stdout
+    assert (DOCS.read_bytes() if DOCS.exists() else None) == docs_before, "a smoke run wrote docs/benchmarks.md"
+    check_figures(script, stdout)
+
+
+def check_figures(script: str, out: str) -> None:
+    """What each script's tables must show beyond their shape."""
+    if script == "bench_decode":
+        decode, fragmented, prefill = tables(out)
+        assert len(decode) == len(fragmented) == 7 and len(prefill) == 7  # header + 3 points x fp32/bf16
+        ratios = [row[5] for row in decode[1:] + fragmented[1:]] + [row[4] for row in prefill[1:]]
+        assert all(re.fullmatch(r"(\*\*)?\d+\.\d{3}x(\*\*)?", ratio) for ratio in ratios), ratios
+        fp32 = [row for row in decode[1:] + fragmented[1:] if row[0] == "fp32"]
+        assert all(row[-2].split("/")[0] == row[-2].split("/")[1] for row in fp32), fp32  # argmax agrees
+        # the fragmented pool really is fragmented: more than one run of blocks per row
+        assert all(int(row[6].split("→")[0]) > 1 for row in fragmented[1:]), fragmented
+    elif script == "bench_paging":
+        assert re.search(r"\| PagedCache \| [\d.]+ \| [\d.]+x \| yes \|", out)
+    elif script == "bench_reuse":
+        assert "outputs identical" in out
+        assert re.search(r"\| time to first token \| [\d.]+ \| [\d.]+ \| [\d.]+x \| \d+ \|", out)
+    elif script == "bench_tiers":
+        assert out.count("| yes |") >= 10  # every system of every workload matches DynamicCache
+    elif script == "compile_table":
+        summary = tables(out)[0]
+        assert [row[0] for row in summary[1:]] == ["`paged_decode` split", "`paged_decode` merge", "`paged_prefill`",
+                                                   "`write_kv`"]
+
+
+def private_accesses(path: Path) -> list[str]:
+    """`x._name` where x is not self/cls (dunders are public)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("name", [*SCRIPTS, "common"])
+def test_benchmarks_use_only_public_attributes(name):
+    assert private_accesses(BENCH / f"{name}.py") == []

@@ -1,0 +1,382 @@
+"""The OpenAI-compatible server over real HTTP (uvicorn on a free local port), with the official
+`openai` client as the client: completions and chat, whole and streamed, give the engine's own
+tokens; errors come in OpenAI's shape; shedding is a 429 with Retry-After; a client that goes
+away cancels its request and leaves no block behind; the `serve` entry point loads a model
+directory."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import EOS, PAD, VOCAB, assert_pool_clean, make_model
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+import hf_paged_kv  # noqa: E402
+from hf_paged_kv import Engine, KVPool, Overloaded  # noqa: E402
+from hf_paged_kv.engine.scheduler import Limits  # noqa: E402
+from hf_paged_kv.engine.server import create_app  # noqa: E402
+
+NAME = "tiny-llama"
+SPECIAL = {PAD, EOS}
+# user turns start with w04, the others with w05; the assistant's turn starts with w06
+CHAT_TEMPLATE = ("{% for m in messages %}{{ 'w04 ' if m['role'] == 'user' else 'w05 ' }}{{ m['content'] }} "
+                 "{% endfor %}{% if add_generation_prompt %}w06{% endif %}")
+EOS_PROMPT = [51, 15, 64, 14, 81, 52]  # its greedy continuation ends with EOS after 17 tokens (seed-11 llama)
+
+
+def word_tokenizer():
+    """Word-level: token i is the word "w%02d" (no word inside another, special ones included), so
+    text and token ids map one to one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({word(i): i for i in range(VOCAB)}, unk_token=word(3)))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=word(PAD), eos_token=word(EOS))
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def word(i: int) -> str:
+    return f"w{i:02d}"
+
+
+def words(ids) -> list[str]:
+    return [word(t) for t in ids if t not in SPECIAL]
+
+
+def text_of(ids) -> str:
+    return " ".join(map(word, ids))
+
+
+@contextlib.contextmanager
+def serving(engine):
+    """A real uvicorn server on a free port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = make_model("llama", seed=11)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=128, block_size=8))
+    with serving(engine) as url:
+        yield engine, url
+    assert not engine.thread, "the app's lifespan stops the engine"
+    hf_paged_kv.disable(model)
+
+
+@pytest.fixture
+def client(served):
+    return openai.OpenAI(base_url=served[1] + "/v1", api_key="x", max_retries=0)
+
+
+def direct(engine, ids, new, **kwargs):
+    return engine.submit(ids, max_new_tokens=new, **kwargs).result(timeout=60)
+
+
+def wait_for(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_completions_equal_the_engine_token_for_token(served, client):
+    engine = served[0]
+    for ids, new in ((torch.randint(3, VOCAB, (13,), generator=torch.Generator().manual_seed(1)).tolist(), 12),
+                     (EOS_PROMPT, 30)):
+        expected = direct(engine, ids, new)
+        for prompt in (text_of(ids), ids):  # text, and token ids
+            out = client.completions.create(model=NAME, prompt=prompt, max_tokens=new, temperature=0,
+                                            extra_body={"return_token_ids": True})
+            choice = out.choices[0]
+            assert choice.model_extra["token_ids"] == expected and out.model_extra["prompt_token_ids"] == ids
+            assert choice.text.split() == words(expected) and choice.text.startswith(" ")  # continues the prompt
+            assert choice.finish_reason == ("stop" if expected[-1] == EOS else "length")
+            assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), len(expected))
+    assert expected[-1] == EOS and len(expected) < 30  # the second prompt really stopped at EOS
+
+
+def test_streamed_completion_equals_the_engine(served, client):
+    engine = served[0]
+    ids = torch.randint(3, VOCAB, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected = direct(engine, ids, 16)
+    chunks = list(client.completions.create(model=NAME, prompt=text_of(ids), max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"return_token_ids": True}))
+    choices = [c.choices[0] for c in chunks if c.choices]
+    assert len(choices) > 2  # really streamed, piece by piece
+    assert "".join(c.text for c in choices).split() == words(expected)
+    assert [t for c in choices for t in c.model_extra["token_ids"]] == expected
+    assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert chunks[-1].usage.completion_tokens == len(expected) and chunks[-1].usage.prompt_tokens == len(ids)
+
+
+def test_chat_completions_whole_and_streamed(served, client):
+    engine, tokenizer = served[0], served[0].tokenizer
+    messages = [{"role": "system", "content": "w07 w08"}, {"role": "user", "content": "w10 w11 w12"},
+                {"role": "assistant", "content": "w13"}, {"role": "user", "content": [{"type": "text", "text": "w14"}]}]
+    ids = [5, 7, 8, 4, 10, 11, 12, 5, 13, 4, 14, 6]  # the chat template, add_generation_prompt=True
+    rendered = tokenizer.apply_chat_template(messages[:3] + [{"role": "user", "content": "w14"}],
+                                             add_generation_prompt=True, tokenize=False)
+    assert tokenizer(rendered, add_special_tokens=False)["input_ids"] == ids
+    expected = direct(engine, ids, 10)
+    out = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
+    message = out.choices[0].message
+    assert message.role == "assistant" and message.content.split() == words(expected)
+    assert out.choices[0].finish_reason == "length" and out.usage.prompt_tokens == len(ids)
+    stream = client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10, temperature=0,
+                                            stream=True)
+    chunks = [c.choices[0] for c in stream]
+    assert chunks[0].delta.role == "assistant"
+    assert "".join(c.delta.content or "" for c in chunks).split() == words(expected)
+    assert chunks[-1].finish_reason == "length"
+
+
+def test_stop_strings_end_the_text_before_them(served, client):
+    engine = served[0]
+    ids = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = direct(engine, ids, 12)
+    cut = next(i for i in range(3, 11) if expected[i] not in expected[:i] and expected[i] not in SPECIAL)
+    stop = f" {word(expected[cut])} "  # a whole word, with the spaces around it (split over two pieces)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, stop=[stop, "zz"])
+    assert out.choices[0].text.split() == words(expected[:cut]) and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, stop=stop,
+                                         stream=True)
+    pieces = [c.choices[0] for c in streamed]
+    assert "".join(p.text for p in pieces).split() == words(expected[:cut]) and pieces[-1].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(model=NAME, prompt="w05 w06 w07", max_tokens=12, temperature=0.9, top_p=0.95, seed=123)
+    first, again = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
+    assert first == again
+
+
+def test_tenants_come_from_the_x_tenant_header_or_the_user_field(served, client):
+    """No KV crosses tenants: the same prompt under another tenant computes its prefix again."""
+    engine = served[0]
+    ids = torch.randint(3, VOCAB, (25,), generator=torch.Generator().manual_seed(4)).tolist()  # 3 full blocks
+
+    def inherited(**kwargs) -> int:
+        before = engine.stats()["tokens_inherited"]
+        client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, **kwargs)
+        return engine.stats()["tokens_inherited"] - before
+
+    assert inherited() == 0 and inherited() == 24  # computed once, then reused (tenant "default")
+    assert inherited(extra_headers={"X-Tenant": "acme"}) == 0  # another tenant: nothing to reuse
+    assert inherited(user="acme") == 24 and inherited(extra_headers={"X-Tenant": "acme"}, user="zed") == 24
+
+
+def test_models_metrics_and_health(served, client):
+    engine, url = served
+    assert [m.id for m in client.models.list()] == [NAME]
+    metrics = httpx.get(url + "/metrics")
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain; version=0.0.4")
+    for name in ("hf_paged_kv_requests_total", "hf_paged_kv_generated_tokens_total", "hf_paged_kv_kv_usage_ratio",
+                 "hf_paged_kv_time_to_first_token_seconds_bucket", "hf_paged_kv_requests_running"):
+        assert name in metrics.text
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client):
+    url = served[1] + "/v1/completions"
+    base = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
+    for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
+                         ({"frequency_penalty": 0.5}, "frequency_penalty"),
+                         ({"whatever": 1}, "whatever"), ({"temperature": 3}, "temperature"),
+                         ({"max_tokens": 5000}, "max_tokens"), ({"prompt": [1, 999]}, "prompt"),
+                         ({"prompt": ["w05", "w06"]}, "prompt"), ({"max_tokens": "many"}, "max_tokens")):
+        answer = httpx.post(url, json=base | extra)
+        assert answer.status_code == 400, (extra, answer.text)
+        error = answer.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"], extra
+    assert httpx.post(url, json=base | {"frequency_penalty": 0, "logit_bias": {}}).status_code == 200  # neutral
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=NAME, prompt="w05", n=2)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="w05")
+    with pytest.raises(openai.BadRequestError, match="tool"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "w05", "tool_call_id": "1"}])
+
+
+def test_an_overloaded_engine_answers_429_with_retry_after():
+    model = make_model("llama", seed=12)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=128, block_size=8),
+                    limits=Limits(max_running=1, max_waiting=2))
+    with serving(engine) as url:
+        fillers = [engine.submit([5, 6, 7], max_new_tokens=900, eos_token_id=[])]  # runs for seconds
+        wait_for(lambda: engine.stats()["requests_running"] == 1)
+        with pytest.raises(Overloaded):  # and the queue behind it is full
+            for _ in range(10):
+                fillers.append(engine.submit([5, 6, 7], max_new_tokens=900, eos_token_id=[]))
+        assert len(fillers) == 3
+        answer = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "max_tokens": 2})
+        assert answer.status_code == 429, answer.text
+        assert int(answer.headers["retry-after"]) >= 1
+        assert answer.json()["error"]["code"] == "rate_limit_exceeded"
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "w05"}], max_tokens=2)
+        for handle in fillers:
+            handle.cancel()
+        wait_for(lambda: all(h.done for h in fillers))
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def cancelled_after(engine, disconnect) -> None:
+    """`disconnect()` runs a client that goes away mid-request: its request is cancelled (not
+    finished), and every block goes back."""
+    before = engine.stats()["requests_cancelled"]
+    disconnect()
+    wait_for(lambda: engine.stats()["requests_cancelled"] > before and engine.stats()["requests_running"] == 0)
+    assert_pool_clean(engine.pool)
+
+
+def test_a_streaming_client_that_disconnects_cancels_its_request(served):
+    engine, url = served
+    body = {"model": NAME, "prompt": "w05 w06 w07", "max_tokens": 900, "stream": True, "ignore_eos": True}
+
+    def disconnect():
+        with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions", json=body) as answer:
+            assert answer.status_code == 200
+            first = next(line for line in answer.iter_lines() if line.startswith("data: "))
+            assert '"text"' in first
+        # leaving the blocks closes the connection after the first chunk
+
+    cancelled_after(engine, disconnect)
+
+
+def test_a_waiting_non_streaming_client_that_disconnects_cancels_its_request(served):
+    engine, url = served
+    body = {"model": NAME, "prompt": "w08 w09", "max_tokens": 900, "ignore_eos": True}
+
+    def disconnect():
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+
+    cancelled_after(engine, disconnect)
+
+
+class ScriptedHandle:
+    """A request handle whose stream gives `tokens`, then ends with `error` (if any)."""
+
+    def __init__(self, tokens, error=None):
+        self.tokens, self.error, self.done, self.cancelled = tokens, error, False, False
+        self.outcome = None
+
+    async def astream(self):
+        for token in self.tokens:
+            yield token
+        self.done, self.outcome = True, "finished" if self.error is None else "failed"
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class ScriptedEngine:
+    """Just what the app reads of an engine; `submit` hands out `self.next`."""
+
+    def __init__(self):
+        self.tokenizer, self.eos, self.pool = word_tokenizer(), (EOS,), SimpleNamespace(block_size=8, num_blocks=64)
+        embeddings = SimpleNamespace(num_embeddings=VOCAB)
+        self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256),
+                                     get_input_embeddings=lambda: embeddings)
+        self.thread, self.accepting, self.next = None, False, None
+
+    def start(self):
+        self.thread, self.accepting = SimpleNamespace(is_alive=lambda: True), True
+
+    def stop(self, drain=True):
+        self.thread, self.accepting = None, False
+
+    def submit(self, ids, **kwargs):
+        return self.next
+
+
+def test_shed_or_failed_requests_get_their_own_status():
+    """A request the load controller turns away while it waits is a 429 (streamed or not: the
+    status line waits for the first token); a failure is a 500, or an error event once streaming."""
+    from fastapi.testclient import TestClient
+
+    from hf_paged_kv.engine.request import RequestFailed
+
+    engine = ScriptedEngine()
+    body = {"model": NAME, "prompt": "w05", "max_tokens": 8}
+    with TestClient(create_app(engine, NAME)) as http:
+        for stream in (False, True):
+            engine.next = ScriptedHandle([], Overloaded(2.2, "shed"))
+            answer = http.post("/v1/completions", json=body | {"stream": stream})
+            assert answer.status_code == 429 and answer.headers["retry-after"] == "3", answer.text
+            assert answer.json()["error"]["code"] == "rate_limit_exceeded"
+        engine.next = ScriptedHandle([10, 11], RequestFailed("forward failed"))
+        answer = http.post("/v1/completions", json=body)
+        assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+        engine.next = ScriptedHandle([10, 11], RequestFailed("forward failed"))
+        with http.stream("POST", "/v1/completions", json=body | {"stream": True}) as answer:
+            events = [line[6:] for line in answer.iter_lines() if line.startswith("data: ")]
+        assert answer.status_code == 200 and events[-1] == "[DONE]"
+        assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:2]).split() == ["w10", "w11"]
+        assert json.loads(events[-2])["error"]["message"] == "forward failed"
+        assert http.get("/health").status_code == 200
+    assert engine.thread is None  # the app stopped its engine
+
+
+# ------------------------------------------------------------------------------ the entry point
+def test_serve_refuses_a_missing_model_directory(tmp_path):
+    from hf_paged_kv import serve
+
+    with pytest.raises(SystemExit, match="no such directory"):
+        serve.main(["--model", str(tmp_path / "nowhere")])
+    with pytest.raises(SystemExit, match="no config.json"):
+        serve.main(["--model", str(tmp_path)])
+
+
+def test_serve_builds_an_app_from_a_model_directory(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from hf_paged_kv import serve
+
+    make_model("llama", seed=13).save_pretrained(tmp_path / "tiny")
+    word_tokenizer().save_pretrained(tmp_path / "tiny")
+    app = serve.build_app(serve.parse_args(["--model", str(tmp_path / "tiny"), "--num-blocks", "32",
+                                            "--block-size", "8", "--max-running", "4", "--device", "cpu"]))
+    engine = app.state.engine
+    assert (engine.pool.num_blocks, engine.pool.block_size, engine.limits.max_running) == (32, 8, 4)
+    with TestClient(app) as http:
+        out = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "temperature": 0,
+                                                      "messages": [{"role": "user", "content": "w09 w10"}]})
+        assert out.status_code == 200, out.text
+        assert out.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        assert http.get("/health").status_code == 200
+    assert engine.thread is None  # stopped with the app
+    hf_paged_kv.disable(engine.model)
