@@ -152,11 +152,10 @@ def calibrate(model, reqs: list[Req], stop: list[int], size: dict) -> dict:
     with engine:
         engine.submit(picks[0].prompt, max_new_tokens=4, eos_token_id=stop).result()  # warm-up
         for r in picks[:4]:
-            handle = engine.submit(r.prompt, max_new_tokens=r.max_new, eos_token_id=[])
+            handle = engine.submit(r.prompt, max_new_tokens=2, eos_token_id=[])
             handle.result()
             alone.append(handle.request.first_token - handle.request.arrived)
-        hf_paged_kv.prefixes.clear_tenant(model, "default") if hasattr(hf_paged_kv, "prefixes") else None
-        handles = [engine.submit(r.prompt[::-1], max_new_tokens=size["new"][1], eos_token_id=[]) for r in picks]
+        handles = [engine.submit(r.prompt, max_new_tokens=size["new"][1], eos_token_id=[]) for r in picks]
         for handle in handles:
             handle.result()
             request = handle.request
@@ -303,12 +302,10 @@ def plot(args, size, reqs, slo, names, runs) -> str:
     duration = size["minutes"] * 60
     fig, axes = plt.subplots(6, 1, figsize=(9, 13), sharex=True)
     load_, queue, kv, state, ttft, tok = axes
-    bins = np.arange(0, duration + 5, max(1.0, duration / 36))
+    bins = np.linspace(0, duration, max(2, int(duration / max(1.0, duration / 36))) + 1)
     counts, edges = np.histogram([r.arrival for r in reqs], bins=bins)
     load_.bar(edges[:-1], counts / np.diff(edges), width=np.diff(edges), align="edge", alpha=0.4, label="arrivals")
     grid = np.linspace(0, duration, 200)
-    from bench_load import tide  # noqa: PLC0415 - the same function, for the curve
-
     load_.plot(grid, tide(grid, size["rate"], duration), color="k", label="tide (mean rate)")
     load_.set_ylabel("requests/s")
     load_.legend(fontsize=8)
@@ -433,7 +430,7 @@ def main() -> int:
     runs = {name: [] for name in names}
     for round_ in range(args.repeats):
         shift = round_ % len(names)
-        for name in names[shift:] + names[shift:] and names[shift:] + names[:shift]:
+        for name in names[shift:] + names[:shift]:
             note(f"run {round_ + 1}/{args.repeats}: {name} ({duration:.0f} s of trace)")
             runs[name].append(systems[name]())
 

@@ -83,24 +83,12 @@ def smoke_model(dtype=torch.float32):
 
 
 def smollm2_loader():
-    """`load_smollm2` from wherever the project keeps it: `hf_paged_kv.real_model`, or
-    `examples/real_model.py`; a clear SystemExit when neither is there."""
-    try:
-        from hf_paged_kv.real_model import load_smollm2
-
-        return load_smollm2
-    except ImportError as error:
-        reason = str(error)
-    for path in (ROOT / "examples" / "real_model.py", ROOT / "examples" / "real_model" / "__init__.py"):
-        if path.is_file():
-            try:
-                spec = importlib.util.spec_from_file_location("hf_paged_kv_examples_real_model", path)
-                module = importlib.util.module_from_spec(spec)
-                spec.loader.exec_module(module)
-                return module.load_smollm2
-            except Exception as error:  # noqa: BLE001 - any failure: say where we looked
-                reason = f"{path}: {error}"
-    raise SystemExit(f"cannot find load_smollm2 (looked in hf_paged_kv.real_model and examples/): {reason}")
+    """`load_smollm2` from `examples/real_model.py` (the demo's loader; the library does not ship
+    model loaders)."""
+    spec = importlib.util.spec_from_file_location("real_model", ROOT / "examples" / "real_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.load_smollm2
 
 
 def load_model(smoke: bool, dtype=torch.float32):

