@@ -199,3 +199,23 @@ def test_waiting_requests_prefixes_are_prefetched_from_the_host_tier():
     hf_paged_kv.disable(model)
     assert got == alone(model, system + [4, 5])
     assert_pool_clean(pool)
+
+
+def test_a_request_larger_than_the_pool_fails_alone_and_clearly():
+    """Prompt plus generated tokens beyond what the whole pool holds: that request fails with
+    RequestFailed (at admission, or once it outgrows the pool); the others are served."""
+    from hf_paged_kv.engine import RequestFailed
+
+    model = make_model("llama", seed=9)
+    with Engine(model, pool=KVPool(num_blocks=8, block_size=8)) as engine:  # 64 tokens of KV
+        too_long = engine.submit(prompts([80])[0], max_new_tokens=4)
+        outgrows = engine.submit(prompts([40])[0], max_new_tokens=60, eos_token_id=[])
+        fine = engine.submit(prompts([10])[0], max_new_tokens=4)
+        with pytest.raises(RequestFailed, match="more than the pool can hold"):
+            too_long.result(timeout=60)
+        with pytest.raises(RequestFailed, match="pool"):
+            outgrows.result(timeout=60)
+        assert len(fine.result(timeout=60)) >= 1
+    assert engine.stats()["requests_failed"] == 2
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)

@@ -30,6 +30,7 @@ class Admission:
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.copy_seconds_per_block = 0.0
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
+        self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, counters: dict, metrics) -> list[tuple[Request, int]]:
@@ -42,6 +43,9 @@ class Admission:
                 break
             if self._waits_for_inflight(request):
                 continue  # another request is computing its prefix: inherit it next step
+            if self._never_fits(request):
+                self.on_impossible(request)
+                continue
             count = self._try(request, budget)
             if count is None:
                 break  # memory: no one of lower priority overtakes it
@@ -55,6 +59,11 @@ class Admission:
             admitted.append((request, count))
             budget -= count
         return admitted
+
+    def _never_fits(self, request: Request) -> bool:
+        """Whether the request's tokens need more blocks than the pool has without its pins."""
+        pinned = self.pool.stats()["blocks_pinned"]
+        return -(-(len(request.tokens()) + 1) // self.pool.block_size) > self.pool.num_blocks - pinned
 
     def _try(self, request: Request, budget: int) -> int | None:
         """Attach the cached prefix and the first chunk's blocks; the chunk size, or None (and

@@ -66,6 +66,9 @@ class Engine:
         self.metrics = EngineMetrics()
         self.load = LoadControl(self, controller, slo or SLO(), thresholds)
         self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
+        self.admission.on_impossible = lambda request: self._end(request, "failed", RequestFailed(
+            f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV, more than the pool can hold "
+            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); use a larger KVPool or a shorter request"))
         self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
                                        "requests_failed", "preemptions", "max_running", "tokens_prefilled",
                                        "tokens_inherited", "tokens_prefetched", "tokens_generated", "steps"), 0)
