@@ -1,5 +1,5 @@
-"""Serving many requests at once on SmolLM2-135M (fp32, CPU): the engine against what a user of
-transformers has today, at the same KV memory.
+"""Serving many requests at once on SmolLM2-135M (fp32; CPU, or CUDA when there is one): the engine
+against what a user of transformers has today, at the same KV memory.
 
     python bench/bench_engine.py                          # full run: 64 requests, rates 1, 2, all at once
     python bench/bench_engine.py --rates 0.5,1,2,4,inf --repeats 3
@@ -56,6 +56,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
 from common import (
@@ -88,24 +89,43 @@ SMOKE = dict(requests=12, system_tokens=24, prompt=(6, 40), question=(4, 10), ne
 
 # ----------------------------------------------------------------------------------- model
 
-def load(smoke: bool):
-    """`(model, tokenizer)`: a new model object per call, same weights. SmolLM2 comes from
-    `hf_paged_kv.real_model`, or `examples/smollm2.py` where it may move, or common's fallbacks."""
-    if smoke:
-        return load_model(True)
+def load(smoke: bool, device: str | torch.device = "cpu"):
+    """`(model, tokenizer)` on `device`: a new model object per call, same weights."""
+    model, tokenizer = load_model(True) if smoke else (smollm2_loader()(dtype=torch.float32))
+    return model.to(device), tokenizer
+
+
+def smollm2_loader():
+    """`load_smollm2` from wherever the project keeps it: `hf_paged_kv.real_model`, or
+    `examples/real_model.py` or `examples/smollm2.py`; else common's own search (which says
+    clearly what it did not find)."""
     try:
         from hf_paged_kv.real_model import load_smollm2
+
+        return load_smollm2
     except ImportError:
-        load_smollm2 = None
-        path = ROOT / "examples" / "smollm2.py"
+        pass
+    for name in ("real_model.py", "smollm2.py"):
+        path = ROOT / "examples" / name
         if path.is_file():
-            spec = importlib.util.spec_from_file_location("hf_paged_kv_examples_smollm2", path)
+            spec = importlib.util.spec_from_file_location(f"hf_paged_kv_examples_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
             spec.loader.exec_module(module)
-            load_smollm2 = module.load_smollm2
-    if load_smollm2 is None:
-        return load_model(False)  # common's own search, with a clear SystemExit when nothing is found
-    return load_smollm2(dtype=torch.float32)
+            return module.load_smollm2
+    return common.smollm2_loader()
+
+
+def pick_device(name: str | None) -> torch.device:
+    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def stop_ids(model, tokenizer) -> list[int]:
@@ -310,6 +330,7 @@ def serve_generate(model, reqs: list[Req], batch: int, stop: list[int], pad_id: 
             group, queue = queue[:batch], queue[batch:]
             state.update(running=len(group), waiting=len(queue))
             ids, mask = left_pad([r.prompt for r in group], pad_id)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             clock, cache = StepClock(), DynamicCache()
             try:
                 with torch.inference_mode():
@@ -530,14 +551,16 @@ def compute_floor(model, reqs: list[Req], output_tokens: int, pack: int) -> floa
     while len(source) < pack:
         source += source
     mean_len = max(1, tokens // len(reqs))
+    synchronize(model.device)
     started = time.perf_counter()
     with torch.inference_mode():
         for f in range(forwards):
             n = min(pack, tokens - f * pack)
             keep = max(1, round(output_tokens * (f + 1) / forwards) - round(output_tokens * f / forwards))
-            ids = torch.tensor(source[:n])[None]
-            positions = (torch.arange(n) % mean_len)[None]
+            ids = torch.tensor(source[:n], device=model.device)[None]
+            positions = (torch.arange(n, device=model.device) % mean_len)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+        synchronize(model.device)
     return time.perf_counter() - started
 
 
@@ -558,7 +581,8 @@ def rate_label(rate: float) -> str:
 
 
 def median_of(summaries: list[dict], key: str):
-    values = [s[key] for s in summaries if s[key] is not None and not (isinstance(s[key], float) and math.isnan(s[key]))]
+    values = [s[key] for s in summaries
+              if s[key] is not None and not (isinstance(s[key], float) and math.isnan(s[key]))]
     return statistics.median(values) if values else None
 
 
@@ -583,6 +607,7 @@ def main() -> int:
     parser.add_argument("--pool-fraction", type=float, help="pool size as a share of the static reservation")
     parser.add_argument("--batch-tokens", type=int, help="max_batch_tokens of the engine and of transformers' CB")
     parser.add_argument("--plot", help="where the PNG goes (default docs/bench_engine.png; a temp dir in --smoke)")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     args = parser.parse_args()
     args.repeats = args.repeats or (1 if args.smoke else 3)
     check_repeats(args)
@@ -593,8 +618,9 @@ def main() -> int:
     rates = parse_rates(size["rates"])
 
     note(f"loading {model_name(args.smoke)} twice (the engine's copy and a never-enabled copy)")
-    plain, tokenizer = load(args.smoke)
-    model, _ = load(args.smoke)
+    device = pick_device(args.device)
+    plain, tokenizer = load(args.smoke, device)
+    model, _ = load(args.smoke, device)
     pad_id = model.generation_config.pad_token_id
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     stop = stop_ids(model, tokenizer)
@@ -612,7 +638,8 @@ def main() -> int:
 
     systems = {
         "sequential generate": lambda reqs: serve_generate(plain, reqs, 1, stop, pad_id, "sequential generate"),
-        f"micro-batches of {micro}": lambda reqs: serve_generate(plain, reqs, micro, stop, pad_id, "micro"),
+        f"micro-batches of {micro}": lambda reqs: serve_generate(plain, reqs, micro, stop, pad_id,
+                                                                 f"micro-batches of {micro}"),
         "transformers CB": lambda reqs: serve_cb(plain, reqs, stop, size, pad_id),
         "engine": lambda reqs: serve_engine(model, reqs, stop, size),
     }
@@ -668,7 +695,8 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
     output_tokens = sum(len(t) for t in reference if t is not None)
     pool_bytes = size["num_blocks"] * per_block
     lines = [
-        f"### Serving engine: {n} requests, Poisson arrivals ({model_name(args.smoke)}, fp32, CPU)",
+        f"### Serving engine: {n} requests, Poisson arrivals ({model_name(args.smoke)}, fp32, "
+        f"{device_name(pick_device(args.device))})",
         "",
         f"Workload: {n} requests of real text, prompts of {min(len(r.prompt) for r in base)}..."
         f"{max(len(r.prompt) for r in base)} tokens ({prompt_tokens} in all, {unique_prompt_tokens(base)} once the "
@@ -682,7 +710,8 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
         f"bytes). The engine: `Engine(max_running={size['max_running']}, max_batch_tokens={size['batch_tokens']}, "
         f"controller=False)` on a fresh pool per run. transformers CB: `ContinuousBatchingConfig(num_blocks="
         f"{size['num_blocks']}, block_size={bs}, max_batch_tokens={size['batch_tokens']}, max_requests_per_batch="
-        f"{size['max_running']})`, streaming, prefix sharing on, its token times taken as its outputs reach the client.",
+        f"{size['max_running']})`, streaming, prefix sharing on, its token times taken as its outputs reach the "
+        "client.",
     ]
     header = ["system", "tokens/s", "vs sequential", "TTFT p50 s", "TTFT p95 s", "per-token p50 s", "per-token p95 s",
               "max / mean concurrent", "preemptions", "peak KV MiB", "failed", "same tokens as per-request generate"]
@@ -693,8 +722,9 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
             s = summaries[rate][name]
             thr = median_of(s, "throughput")
             pre = median_of(s, "preemptions")
-            rows.append([name, fmt(thr, 1), f"{thr / seq:.2f}x" if thr and seq else "-", fmt(median_of(s, "ttft_p50")),
-                         fmt(median_of(s, "ttft_p95")), fmt(median_of(s, "tok_p50"), 3), fmt(median_of(s, "tok_p95"), 3),
+            rows.append([name, fmt(thr, 1), f"{thr / seq:.2f}x" if thr and seq else "-",
+                         fmt(median_of(s, "ttft_p50")), fmt(median_of(s, "ttft_p95")),
+                         fmt(median_of(s, "tok_p50"), 3), fmt(median_of(s, "tok_p95"), 3),
                          f"{median_of(s, 'max_running'):.0f} / {median_of(s, 'mean_running'):.1f}",
                          "-" if pre is None else f"{pre:.0f}", mib(median_of(s, "peak_kv")),
                          f"{max(x['failed'] for x in s)}", same_column(s, name == names[0], n)])
@@ -739,11 +769,12 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
               "is over the makespan."]
     lines += ["", f"Method: each system serves the same seeded trace in real time in one process (client and server on "
                   f"this machine, {torch.get_num_threads()} torch threads); one untimed warm-up run of each system on "
-                  f"{size['warmup']} requests first; then {args.repeats} round{'s' if args.repeats > 1 else ''}, each running every rate with the "
-                  "systems' order rotated per round and rate; every figure is the median over the rounds, every "
-                  "ratio compares medians of this run. Time to first token counts from the scheduled arrival; "
-                  "per-token latency is per request (last - first token) / (tokens - 1), then p50/p95 over requests. "
-                  "Tokens of every run are compared with per-request greedy `generate` (sequential, DynamicCache)."]
+                  f"{size['warmup']} requests first; then {args.repeats} round{'s' if args.repeats > 1 else ''}, "
+                  "each running every rate with the systems' order rotated per round and rate; every figure is the "
+                  "median over the rounds, every ratio compares medians of this run. Time to first token counts "
+                  "from the scheduled arrival; per-token latency is per request (last - first token) / (tokens - 1), "
+                  "then p50/p95 over requests. Tokens of every run are compared with per-request greedy `generate` "
+                  "(sequential, DynamicCache)."]
     return "\n".join(lines)
 
 

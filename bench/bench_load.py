@@ -1,5 +1,6 @@
-"""A tidal load on SmolLM2-135M (fp32, CPU): the engine with its load controller, without it, and
-transformers' continuous batching, on the same seeded trace at the same KV memory.
+"""A tidal load on SmolLM2-135M (fp32; CPU, or CUDA when there is one): the engine with its load
+controller, without it, and transformers' continuous batching, on the same seeded trace at the same
+KV memory.
 
     python bench/bench_load.py                              # 3 minutes of trace per system (CPU rates)
     python bench/bench_load.py --minutes 10 --rate 40 --pool-requests 200   # e.g. on a GPU
@@ -41,7 +42,6 @@ import math
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -52,12 +52,14 @@ from bench_engine import (
     Run,
     blocks_for,
     completed,
+    device_name,
     fmt,
     load,
     log_uniform,
     mib,
     pct,
     per_token,
+    pick_device,
     serve_cb,
     serve_engine,
     stop_ids,
@@ -68,12 +70,12 @@ import hf_paged_kv
 from hf_paged_kv import Engine, KVPool
 from hf_paged_kv.engine import SLO, Limits, Thresholds
 
-FULL = dict(minutes=3.0, rate=0.6, burst_shape=0.25, system_tokens=(160, 96), prompt=(24, 256), question=(12, 48),
+FULL = dict(minutes=3.0, rate=0.7, burst_shape=0.25, system_tokens=(160, 96), prompt=(24, 256), question=(12, 48),
             conversation=(48, 96), turn=(12, 40), new=(16, 48), block_size=16, pool_requests=6, batch_tokens=256,
             max_running=32, drain=120.0, period=0.5, dwell=5.0, tick=0.5)
-SMOKE = dict(minutes=0.08, rate=5.0, burst_shape=0.25, system_tokens=(20, 12), prompt=(6, 30), question=(3, 8),
+SMOKE = dict(minutes=0.08, rate=8.0, burst_shape=0.25, system_tokens=(20, 12), prompt=(6, 30), question=(3, 8),
              conversation=(8, 12), turn=(3, 6), new=(4, 10), block_size=8, pool_requests=3, batch_tokens=48,
-             max_running=8, drain=20.0, period=0.1, dwell=0.5, tick=0.1)
+             max_running=2, drain=20.0, period=0.1, dwell=0.3, tick=0.1)
 SHARES = dict(system=0.4, conversation=0.2)  # the rest stand alone
 HIGH_PRIORITY = 0.25
 MAX_TURNS = 6
@@ -144,8 +146,8 @@ def calibrate(model, reqs: list[Req], stop: list[int], size: dict) -> dict:
     typical = sorted(reqs, key=lambda r: len(r.prompt))[len(reqs) // 4: 3 * len(reqs) // 4] or reqs
     picks = [typical[i * len(typical) // 8] for i in range(8)]
     hf_paged_kv.disable(model)
-    pool = KVPool(num_blocks=max(size["num_blocks"], sum(blocks_for(len(r.prompt) + r.max_new, size["block_size"])
-                                                          for r in picks) + 8), block_size=size["block_size"])
+    needed = sum(blocks_for(len(r.prompt) + size["new"][1], size["block_size"]) for r in picks) + 8
+    pool = KVPool(num_blocks=max(size["num_blocks"], needed), block_size=size["block_size"])
     engine = Engine(model, pool=pool, controller=False,
                     limits=Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"]))
     alone, together = [], []
@@ -221,15 +223,17 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
     n = len(reqs)
     kinds = {k: sum(1 for r in reqs if r.group.startswith(k)) for k in ("system", "conversation")}
     lines = [
-        f"### Tidal load: the load controller ({model_name(args.smoke)}, fp32, CPU)",
+        f"### Tidal load: the load controller ({model_name(args.smoke)}, fp32, "
+        f"{device_name(pick_device(args.device))})",
         "",
         f"Trace (seed {args.seed}): {n} requests over {duration:.0f} s, arrival rate `{size['rate']:g} * (1 - 0.5 * "
         f"cos(2 pi t / {duration:.0f} s))` per second (trough {size['rate'] / 2:g}/s, peak {1.5 * size['rate']:g}/s: "
         f"a 3x swing) with bursts (gamma-distributed gaps, shape {size['burst_shape']}); prompts of "
-        f"{min(len(r.prompt) for r in reqs)}..{max(len(r.prompt) for r in reqs)} tokens of real text, {kinds['system']} "
-        f"sharing one of two system prompts, {kinds['conversation']} continuing a conversation (history resent), "
-        f"{sum(r.priority for r in reqs)} of priority 1; max_new_tokens {size['new'][0]}..{size['new'][1]}, stopping at "
-        f"the end of the first sentence. KV memory for every system: {size['num_blocks']} blocks of "
+        f"{min(len(r.prompt) for r in reqs)}..{max(len(r.prompt) for r in reqs)} tokens of real text, "
+        f"{kinds['system']} sharing one of two system prompts, {kinds['conversation']} continuing a conversation "
+        "(history resent), "
+        f"{sum(r.priority for r in reqs)} of priority 1; max_new_tokens {size['new'][0]}..{size['new'][1]}, "
+        f"stopping at the end of the first sentence. KV memory for every system: {size['num_blocks']} blocks of "
         f"{size['block_size']} tokens ({mib(size['num_blocks'] * size['per_block'])} MiB, the static reservation of "
         f"{size['pool_requests']} average requests). Engine: `max_running={size['max_running']}, max_batch_tokens="
         f"{size['batch_tokens']}`, `Thresholds(dwell={size['dwell']}, tick={size['tick']})`; transformers CB: "
@@ -246,7 +250,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
         s = summaries[name]
         rows.append([name, f"{s['availability']:.1%} ({s['availability_peak']:.1%})", f"{s['high_availability']:.1%}",
                      f"{s['goodput']:.3f}", f"{s['completed']} of {s['submitted']}", s["refused"],
-                     f"{s['refusals']} / {s['retries']}", s["lost"], "-" if s["preemptions"] is None else s["preemptions"],
+                     f"{s['refusals']} / {s['retries']}", s["lost"],
+                     "-" if s["preemptions"] is None else s["preemptions"],
                      f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})", f"{s['max_running']:.0f} / "
                      f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}"])
     lines += ["", "**Service** (availability: requests completed within both targets / requests submitted; time to "
@@ -254,10 +259,10 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
               markdown_table(header, rows)]
     header = ["system", "TTFT p50 / p95 / p99 s", "TTFT at peak p50 / p95 / p99 s", "per-token p50 / p95 / p99 s",
               "per-token at peak p50 / p95 / p99 s"]
-    rows = [[name, three(summaries[name]["ttft"]), three(summaries[name]["ttft_peak"]), three(summaries[name]["tok"], 3),
-             three(summaries[name]["tok_peak"], 3)] for name in names]
-    lines += ["", "**Latency** (over completed requests; at peak: those arriving in the middle third of the trace):", "",
-              markdown_table(header, rows)]
+    rows = [[name, three(summaries[name]["ttft"]), three(summaries[name]["ttft_peak"]),
+             three(summaries[name]["tok"], 3), three(summaries[name]["tok_peak"], 3)] for name in names]
+    lines += ["", "**Latency** (over completed requests; at peak: those arriving in the middle third of the trace):",
+              "", markdown_table(header, rows)]
     on, off = summaries[names[0]], summaries[names[1]]
     p99_on, p99_off = on["ttft_peak"][2], off["ttft_peak"][2]
     rows = [
@@ -377,6 +382,7 @@ def main() -> int:
     parser.add_argument("--slo-ttft", type=float, help="time-to-first-token target, s (default: calibrated)")
     parser.add_argument("--slo-per-token", type=float, help="per-token latency target, s (default: calibrated)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--plot", help="where the PNG goes (default docs/bench_load.png; a temp dir in --smoke)")
     args = parser.parse_args()
     args.repeats = args.repeats or 1
@@ -386,8 +392,9 @@ def main() -> int:
             size[key] = getattr(args, key)
 
     note(f"loading {model_name(args.smoke)} twice (the engine's copy and a never-enabled copy for transformers CB)")
-    plain, tokenizer = load(args.smoke)
-    model, _ = load(args.smoke)
+    device = pick_device(args.device)
+    plain, tokenizer = load(args.smoke, device)
+    model, _ = load(args.smoke, device)
     pad_id = model.generation_config.pad_token_id
     pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
     stop = stop_ids(model, tokenizer)

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 DOCS = ROOT / "docs" / "benchmarks.md"
-SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table"]
+SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table", "bench_block_size"]
 NOT_WRITTEN = "(smoke run: docs/benchmarks.md not written)"
 
 
@@ -68,8 +68,11 @@ EXPECTED = {
                      "chunk after a cached 128-token prefix", "Above 1.05x:"],
     "compile_table": ["### Ahead-of-time compile for H100/H200", "registers/thread: sm_90, Triton",
                       "`paged_decode` split", "`paged_decode` merge", "`paged_prefill`", "`write_kv`", "<details>"],
+    "bench_block_size": ["### Block size", "memory in partial blocks", "system prompt recomputed",
+                         "the advisor's `block_overhead`", "Decision: a live pool keeps its block size"],
 }
-TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2}
+TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2,
+               "bench_block_size": 1}
 
 
 @pytest.mark.slow

@@ -49,6 +49,8 @@ class Thresholds:
     recover_wait: float = 0.5  # leave overload below this many TTFT targets
     dwell: float = 5.0  # seconds a state is kept at least
     tick: float = 0.5  # seconds between decisions
+    short_window: float = 10.0  # seconds the short averages cover
+    long_window: float = 60.0  # seconds the long averages cover
 
 
 @dataclass

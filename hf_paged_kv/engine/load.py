@@ -19,7 +19,8 @@ from .signals import Signals
 class LoadControl:
     def __init__(self, engine, enabled: bool, slo: SLO, thresholds: Thresholds | None = None):
         self.engine, self.slo = engine, slo
-        self.signals = Signals()
+        thresholds = thresholds or Thresholds()
+        self.signals = Signals(thresholds.short_window, thresholds.long_window)
         self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)

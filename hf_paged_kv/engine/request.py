@@ -192,6 +192,14 @@ class RequestHandle:
         return self.request.stream.done
 
     @property
+    def timings(self) -> dict:
+        """Monotonic times (seconds) of the request's life, and what happened to it."""
+        r = self.request
+        return {"arrived": r.arrived, "admitted": r.admitted, "first_token": r.first_token, "last_token": r.last_token,
+                "finished": r.finished, "preemptions": r.preemptions, "inherited": r.inherited,
+                "generated": len(r.generated)}
+
+    @property
     def outcome(self) -> str | None:
         return self.request.outcome
 
