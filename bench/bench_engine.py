@@ -50,7 +50,6 @@ import math
 import re
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -781,17 +780,8 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
 def plot(args, rates, names, summaries) -> str:
     """Throughput and p95 TTFT against the arrival rate per system: docs/bench_engine.png (a temp
     dir in smoke runs). Returns the markdown that shows it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    path = common.plot_path(args, "bench_engine")
     import matplotlib.pyplot as plt
-
-    if args.plot:
-        path = Path(args.plot)
-    elif args.smoke:
-        path = Path(tempfile.mkdtemp(prefix="bench_engine_")) / "bench_engine.png"
-    else:
-        path = DOCS / "bench_engine.png"
     x = np.arange(len(rates))
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6.5), sharex=True)
     for name in names:

@@ -41,9 +41,9 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
+import common
 import numpy as np
 import torch
 from bench_engine import (
@@ -293,17 +293,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
 def plot(args, size, reqs, slo, names, runs) -> str:
     """Load, queue, KV usage, controller state and latency over time (docs/bench_load.png; a temp
     dir in smoke runs)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    path = common.plot_path(args, "bench_load")
     import matplotlib.pyplot as plt
-
-    if args.plot:
-        path = Path(args.plot)
-    elif args.smoke:
-        path = Path(tempfile.mkdtemp(prefix="bench_load_")) / "bench_load.png"
-    else:
-        path = DOCS / "bench_load.png"
     duration = size["minutes"] * 60
     fig, axes = plt.subplots(6, 1, figsize=(9, 13), sharex=True)
     load_, queue, kv, state, ttft, tok = axes

@@ -262,6 +262,21 @@ def yes_no(ok: bool) -> str:
 
 # ------------------------------------------------------------------------------ arguments
 
+def plot_path(args, name: str) -> Path:
+    """Where a figure goes: `--plot PATH`, else docs/<name>.png (a temp dir in smoke runs). Also
+    selects matplotlib's non-interactive backend."""
+    import tempfile
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    if getattr(args, "plot", None):
+        return Path(args.plot)
+    if args.smoke:
+        return Path(tempfile.mkdtemp(prefix=f"{name}_")) / f"{name}.png"
+    return ROOT / "docs" / f"{name}.png"
+
+
 def arguments(description: str, repeats: int = 3) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true",

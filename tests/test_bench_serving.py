@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_scripts import tables
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -60,16 +61,6 @@ def runs():
             process.communicate()
 
 
-def tables(text: str) -> list[list[list[str]]]:
-    """The markdown tables in `text`, as rows of cells (header first, separator dropped)."""
-    found, current = [], []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|") and line.endswith("|"):
-            current.append([cell.strip() for cell in line[1:-1].split("|")])
-        elif current:
-            found.append([row for row in current if not set("".join(row)) <= set("-:")])
-            current = []
-    return found
 
 
 @pytest.mark.slow
