@@ -26,9 +26,10 @@ def write_kv(key_cache, value_cache, key, value, slot_mapping) -> None:
 def store_kv(key_cache, value_cache, key, value, slots) -> None:
     """`key`/`value` `[N, kv_heads, head_dim]` into pool `slots` `[N]` (all valid)."""
     heads, dim = key_cache.shape[-2:]
-    slots = slots.long()
-    key_cache.view(-1, heads, dim).index_copy_(0, slots, key.to(key_cache.dtype))
-    value_cache.view(-1, heads, dim).index_copy_(0, slots, value.to(value_cache.dtype))
+    if key.dtype != key_cache.dtype:
+        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+    key_cache.view(-1, heads, dim).index_copy_(0, slots.long(), key)
+    value_cache.view(-1, heads, dim).index_copy_(0, slots.long(), value)
 
 
 def gather_slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:

@@ -67,10 +67,11 @@ class TorchBackend:
         contiguous rows are a view each; fragmented ones are gathered."""
         stride = self._row_stride(plan)
         if stride is not None:
-            length = int(plan.kv_lens[0])
-            first = 0 if window is None else max(0, length - window)
-            seq_keys, seq_values = (self._strided(cache, plan, stride, first, length).to(query.dtype)
-                                    for cache in (keys, values))
+            shape, strides, offset = self._strided_view(plan, stride, window, keys)
+            seq_keys = keys.as_strided(shape, strides, offset).transpose(1, 2)
+            seq_values = values.as_strided(shape, strides, offset).transpose(1, 2)
+            if seq_keys.dtype != query.dtype:
+                seq_keys, seq_values = seq_keys.to(query.dtype), seq_values.to(query.dtype)
             return reference.sdpa(query, seq_keys, seq_values, None, scale)
         if (plan.contiguous < 0).all() and len(plan.kv_lens) > 1:
             return self._padded(query, keys, values, plan, scale, window)[0]
@@ -94,14 +95,20 @@ class TorchBackend:
         return plan.memo[key]
 
     @staticmethod
-    def _strided(cache: torch.Tensor, plan, stride: int, first: int, length: int) -> torch.Tensor:
-        """`[rows, kv_heads, length - first, dim]`: every row's stored tokens first..length, a
-        view of the pool (no copy)."""
-        heads, dim = cache.shape[-2:]
-        block = plan.block_size * heads * dim
-        offset = cache.storage_offset() + int(plan.contiguous[0]) * block + first * heads * dim
-        shape = (len(plan.kv_lens), length - first, heads, dim)
-        return cache.as_strided(shape, (stride * block, heads * dim, dim, 1), offset).transpose(1, 2)
+    def _strided_view(plan, stride: int, window, cache: torch.Tensor) -> tuple:
+        """`(shape, strides, storage offset)` of `[rows, length, kv_heads, dim]`: every row's
+        stored tokens (the last `window` of them with a sliding window) as one view of a
+        layer's pool tensor, no copy; the same for every layer of the forward."""
+        key = ("torch-strided", window)
+        if key not in plan.memo:
+            heads, dim = cache.shape[-2:]
+            length = int(plan.kv_lens[0])
+            first = 0 if window is None else max(0, length - window)
+            block = plan.block_size * heads * dim
+            offset = cache.storage_offset() + int(plan.contiguous[0]) * block + first * heads * dim
+            shape = (len(plan.kv_lens), length - first, heads, dim)
+            plan.memo[key] = shape, (stride * block, heads * dim, dim, 1), offset
+        return plan.memo[key]
 
     def _packed(self, query, keys, values, plan, scale, window, softcap):
         """Many sequences in one row (the serving engine): each sequence's queries attend on
