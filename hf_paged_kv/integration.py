@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,7 +52,10 @@ class EnabledState:
     config_digest: str
     fingerprint: str
     dtype: torch.dtype
-    devices: set
+    params: list  # (name, parameter), sorted: the weights the fingerprint samples
+    device: torch.device  # of the first weight: a model moved elsewhere is refused
+    first_dtype: torch.dtype  # of the first weight: a model converted to another dtype is refused
+    checked: float  # when the fingerprint was last taken (monotonic seconds)
     forward_was_set: bool  # the model had a `forward` instance attribute before enable (another wrapper)
 
 
@@ -85,7 +89,8 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         backend_name = backends.choose(backend, [spec.device for spec in layers])
         config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
         dtype = _model_dtype(model)
-        fingerprint = _fingerprint(model, config_digest, pool)
+        params = sorted(model.named_parameters())
+        fingerprint = _fingerprint(model, params, config_digest, pool)
         pool.bind(layers, dtype, fingerprint)
     except BaseException:
         model.set_attn_implementation(previous)
@@ -93,7 +98,8 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         raise
     original = model.forward
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
-                         dtype, _devices(model), "forward" in vars(model))
+                         dtype, params, params[0][1].device, params[0][1].dtype, time.monotonic(),
+                         "forward" in vars(model))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
     return pool
@@ -126,18 +132,21 @@ def state_of(model) -> EnabledState:
     return state
 
 
-def current_fingerprint(model) -> str:
-    """The model's fingerprint now. Weights changed in place (`load_state_dict`, merged
-    adapters) give a new one, and what the old weights computed is forgotten; a changed
-    dtype or device is refused (the pool's tensors were allocated for the old ones)."""
+def current_fingerprint(model, max_age: float = 0.0) -> str:
+    """The model's fingerprint now (or as of at most `max_age` seconds ago). Weights changed in
+    place (`load_state_dict`, merged adapters) give a new one, and what the old weights computed
+    is forgotten; a changed dtype or device is refused (the pool holds the old dtype's KV)."""
     state = state_of(model)
-    dtype = _model_dtype(model)
-    if dtype != state.dtype or _devices(model) != state.devices:
+    first = state.params[0][1]
+    if first.dtype != state.first_dtype or first.device != state.device:
         raise PagedKVError(
-            f"the model's dtype or device changed after hf_paged_kv.enable (now {dtype}); its pool holds "
-            f"{state.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a new KVPool"
+            f"the model's dtype or device changed after hf_paged_kv.enable (now {first.dtype} on {first.device}); "
+            f"its pool holds {state.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a new KVPool"
         )
-    fingerprint = _fingerprint(model, state.config_digest, state.pool)
+    if time.monotonic() - state.checked <= max_age:
+        return state.fingerprint
+    fingerprint = _fingerprint(model, state.params, state.config_digest, state.pool)
+    state.checked = time.monotonic()
     if fingerprint != state.fingerprint:
         state.pool.forget_model(state.fingerprint)
         state.fingerprint = fingerprint
@@ -160,8 +169,9 @@ def _paged_forward(model, original):
         if inputs is None:
             raise PagedKVError("forward needs input_ids or inputs_embeds")
         shape = tuple(inputs.shape[:2])
-        fresh_or_prefill = not cache.is_initialized or shape[1] > 1
-        fingerprint = current_fingerprint(model) if fresh_or_prefill else state.fingerprint
+        # a new request (a fresh cache) checks the weights; later forwards of the same cache check
+        # dtype and device only: what they compute extends that cache's own KV
+        fingerprint = current_fingerprint(model, 0.0 if not cache.is_initialized else float("inf"))
         may_skip = _may_skip(args, kwargs)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
             _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
@@ -302,21 +312,18 @@ def _model_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
-def _devices(model) -> set[torch.device]:
-    return {p.device for p in model.parameters()}
-
-
-def _fingerprint(model, config_digest: str, pool: KVPool) -> str:
+def _fingerprint(model, params, config_digest: str, pool: KVPool) -> str:
     """Model identity for the prefix index and the disk tier: class, name, a hash of the full
     config and of a sample of every weight (so fine-tunes of one config differ), dtype and the
-    pool's block size. One device-to-host copy, whatever the number of weights."""
+    pool's block size. A few milliseconds: one device-to-host copy per dtype of the weights."""
+    digest = hashlib.blake2b(digest_size=16)
     with torch.no_grad():
-        params = sorted(model.named_parameters())
-        device = params[0][1].device
-        sample = torch.cat([p.detach().reshape(-1)[:64].float().to(device) for _, p in params]).cpu()
-    digest = hashlib.blake2b(sample.numpy().tobytes(), digest_size=16)
-    for name, param in params:
-        digest.update(f"{name}{tuple(param.shape)}".encode())
+        by_dtype: dict = {}
+        for name, param in params:
+            by_dtype.setdefault(param.dtype, []).append(param.detach().reshape(-1)[:16])
+            digest.update(f"{name}{tuple(param.shape)}".encode())
+        for dtype in sorted(by_dtype, key=str):
+            digest.update(torch.cat(by_dtype[dtype]).cpu().view(torch.uint8).numpy().tobytes())
     dtype = pool.dtype or _model_dtype(model)
     return (f"{type(model).__name__}|{model.config.name_or_path}|{config_digest}|{digest.hexdigest()}"
             f"|block_size={pool.block_size}|dtype={dtype}")

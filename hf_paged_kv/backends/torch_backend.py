@@ -57,9 +57,26 @@ class TorchBackend:
         if need_weights or softcap:
             out, weights = self._padded(query, keys, values, plan, scale, window, softcap, explicit=True)
             return out, weights if need_weights else None
-        if plan.decode_only and (window is None or plan.q_logical is None):
+        if window is not None and plan.q_logical is not None:  # windows over padding gaps: the general mask
+            return self._padded(query, keys, values, plan, scale, window)
+        if plan.decode_only:
             return self._decode(query, keys, values, plan, scale, window), None
+        if query.shape[0] <= 4 and self._rows_in_place(plan, query.shape[2]):  # a prefill or chunk per row
+            outputs = [self._attend_sequence(query[row : row + 1], keys, values, plan, row, scale, window)
+                       for row in range(query.shape[0])]
+            return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
         return self._padded(query, keys, values, plan, scale, window)
+
+    @staticmethod
+    def _rows_in_place(plan, width: int) -> bool:
+        """Every row's keys are one contiguous run and its queries are its last `width` tokens, all
+        real: each row attends through a view, no gather."""
+        key = "torch-rows-in-place"
+        if key not in plan.memo:
+            lens = plan.kv_lens.astype(np.int64)
+            last = plan.q_pos.reshape(len(lens), width) == lens[:, None] - width + np.arange(width)
+            plan.memo[key] = bool((plan.contiguous >= 0).all() and last.all())
+        return plan.memo[key]
 
     def _decode(self, query, keys, values, plan, scale, window):
         """One query per sequence. Rows of one length in runs at a fixed stride (a batch the

@@ -191,7 +191,7 @@ class Engine:
             self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
                                                                           self.limits.prefetch_watermark)
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
-            batch += self.admission.admit(budget, current_fingerprint(self.model) if self.scheduler.waiting else None,
+            batch += self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0) if self.scheduler.waiting else None,
                                           self.counters, self.metrics)
         if not batch:
             return False
