@@ -298,14 +298,15 @@ def machine() -> str:
 
 
 def revision() -> str:
-    """The git commit the figures come from (+dirty when the tree has uncommitted changes)."""
+    """The git commit the figures come from (+dirty when code has uncommitted changes; the
+    figures in docs/ being written meanwhile do not count)."""
     import subprocess
 
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs") else "")
 
 
 REVISION = revision()  # taken when the run starts: edits made while it runs do not count
