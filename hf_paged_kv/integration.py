@@ -181,7 +181,7 @@ def _paged_forward(model, original):
         plan = cache.begin_forward(state.pool, fingerprint, input_ids, kwargs.get("attention_mask"), shape,
                                    may_skip, logical=need_weights)
         if plan.skip:
-            args, kwargs = _drop_columns(args, kwargs, plan.skip, cache.get_seq_length())
+            args, kwargs = _drop_columns(args, kwargs, plan.skip)
         try:
             with step.activate(plan, state.backend, need_weights):
                 output = original(*args, **kwargs)
@@ -215,7 +215,11 @@ def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: s
 
 def _may_skip(args, kwargs) -> bool:
     """Whether the forward may drop leading columns a row has cached: only when just the last
-    position's logits are returned (generate) and nothing else per position is."""
+    position's logits are returned (generate) and nothing else per position is, and the caller
+    gives the positions: a model that derives them itself may derive them from the pad tokens
+    (Kosmos-2 counts non-pad ids), which a shortened forward would no longer see."""
+    if kwargs.get("position_ids") is None:
+        return False
     if kwargs.get("logits_to_keep") != 1 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
     per_token = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in _PER_TOKEN_INPUTS
@@ -223,15 +227,10 @@ def _may_skip(args, kwargs) -> bool:
     return len(args) <= 1 and not per_token
 
 
-def _drop_columns(args, kwargs, skip: int, past: int):
-    """Shorten the forward to the columns some row still computes (prefix reuse). Positions
-    stay what the model would have used, so RoPE and learned position embeddings see the truth."""
+def _drop_columns(args, kwargs, skip: int):
+    """Shorten the forward to the columns some row still computes (prefix reuse). The caller's
+    positions are cut the same way, so RoPE and learned position embeddings see the truth."""
     kwargs = dict(kwargs)
-    inputs = kwargs.get("input_ids", args[0] if args else None)
-    if inputs is None:
-        inputs = kwargs["inputs_embeds"]
-    if kwargs.get("position_ids") is None:  # what the model computes by itself: the logical positions
-        kwargs["position_ids"] = torch.arange(past, past + inputs.shape[1], device=inputs.device)[None]
     kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
     if kwargs.get("attention_mask") is not None:
         kwargs["attention_mask"] = kwargs["attention_mask"][:, skip:]

@@ -58,7 +58,7 @@ def compare(model, check, **kwargs):
         torch.manual_seed(seed)
     try:
         expected = run(model, DynamicCache, **kwargs)
-    except RuntimeError as error:  # e.g. assisted decoding of a padded prompt with sliding windows
+    except (RuntimeError, ValueError) as error:  # e.g. assisted decoding with sliding windows; no inputs_embeds
         pytest.skip(f"transformers' own generate fails here with DynamicCache: {error}")
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=4))
     try:
