@@ -17,6 +17,7 @@ from hf_paged_kv.engine.signals import Signals
 
 CALM = dict(kv_usage=0.2, queue_depth=0)
 FULL = dict(kv_usage=0.97, queue_depth=3)
+LATE = FULL | dict(oldest_wait=5.0)  # the queue holds requests past the TTFT target now
 
 
 class Clock:
@@ -77,15 +78,30 @@ def test_a_brief_spike_inside_the_dwell_changes_nothing():
 
 def test_overload_sheds_one_priority_level_per_dwell_and_recovers():
     clock, signals, controller, applied, actions = setup()
-    run(clock, signals, controller, FULL, 4, events=[("queue_wait", 5.0)])
+    run(clock, signals, controller, LATE, 4, events=[("queue_wait", 5.0)])
     assert controller.state == "overload"
     assert controller.shed_below == 1 and ("watermark", 0.08) in applied  # bounded: 0.1 clamped to 0.08
-    run(clock, signals, controller, FULL, 3.5, events=[("queue_wait", 5.0)])
+    run(clock, signals, controller, LATE, 3.5, events=[("queue_wait", 5.0)])
     assert controller.shed_below == 2
     run(clock, signals, controller, CALM, 30)
     assert controller.state == "normal" and controller.shed_below == float("-inf")
     sheds = [value for knob, value in actions if knob == "shed_below_priority"]
     assert sheds[:2] == [1, 2] and sheds[-1] == float("-inf")  # one level per dwell, cleared on recovery
+
+
+def test_long_past_waits_with_a_drained_queue_shed_nothing():
+    """Admitted requests report their waits when they start, so the waits of a burst arrive
+    after its queue has gone: without late requests waiting now, nothing is shed, and once
+    the queue drains, overload ends at the next decision past its dwell."""
+    clock, signals, controller, _, actions = setup()
+    run(clock, signals, controller, FULL, 6, events=[("queue_wait", 5.0)])
+    assert controller.state != "overload" and controller.shed_below == float("-inf")
+    run(clock, signals, controller, LATE, 4, events=[("queue_wait", 5.0)])
+    assert controller.state == "overload"
+    entered = clock.now
+    run(clock, signals, controller, FULL, 3.5, events=[("queue_wait", 5.0)])  # drained, waits still reported
+    assert controller.state == "pressure" and clock.now - entered < 4.5
+    assert controller.shed_below == float("-inf")
 
 
 def test_batch_budget_shrinks_on_slow_tokens_and_grows_back_with_a_queue():

@@ -9,7 +9,8 @@ flaps:
   (smaller pin budget, higher hot threshold), the decay half-life shortens so cold prefixes
   leave sooner, prefetching stops, and cold cached blocks are demoted to the host tier ahead
   of need;
-- **overload** (requests wait far longer than the target): all of the above, and the lowest
+- **overload** (requests waited far longer than the target and the queue still holds late ones):
+  all of the above, and the lowest
   priorities are shed – new requests refused and waiting ones turned away with an honest
   `retry_after` – raising the shed level one priority at a time while overload lasts.
 
@@ -46,7 +47,8 @@ class Thresholds:
     kv_high: float = 0.90  # enter pressure above this KV usage (short window)
     kv_low: float = 0.75  # leave pressure below this (long window)
     overload_wait: float = 2.0  # enter overload when the p95 queue wait exceeds this many TTFT targets
-    recover_wait: float = 0.5  # leave overload below this many TTFT targets
+    # and the oldest waiting request is already past the TTFT target
+    recover_wait: float = 0.5  # leave overload once the oldest waiting request has waited less than this
     dwell: float = 5.0  # seconds a state is kept at least
     tick: float = 0.5  # seconds between decisions
     short_window: float = 10.0  # seconds the short averages cover
@@ -92,7 +94,7 @@ class Controller:
         if self.entered is None:
             self.entered = now
         reading = signals.read(now)
-        self._transition(reading["short"], reading["long"], now)
+        self._transition(reading["short"], reading["long"], reading["now"], now)
         for knob in self.knobs.values():
             target = knob.targets.get(self.state)
             if target is not None and knob.move_to(target):
@@ -102,15 +104,18 @@ class Controller:
         return True
 
     # ------------------------------------------------------------- states
-    def _transition(self, short: dict, long: dict, now: float) -> None:
+    def _transition(self, short: dict, long: dict, current: dict, now: float) -> None:
         if now - self.entered < self.limits.dwell:
             return
         pressure = (short["kv_usage"] > self.limits.kv_high or short["preemption_rate"] > 0
                     or short["ttft_p95"] > self.slo.ttft)
         calm = long["kv_usage"] < self.limits.kv_low and short["preemption_rate"] == 0 and (
             short["ttft_p95"] < 0.7 * self.slo.ttft)
-        overloaded = short["queue_wait_p95"] > self.limits.overload_wait * self.slo.ttft
-        recovered = short["queue_wait_p95"] < self.limits.recover_wait * self.slo.ttft
+        # the waits of admitted requests lag the queue by their whole wait: shedding on them alone
+        # turns requests away after the burst has drained, so the live queue must agree
+        overloaded = (short["queue_wait_p95"] > self.limits.overload_wait * self.slo.ttft
+                      and current["oldest_wait"] > self.slo.ttft)
+        recovered = current["oldest_wait"] < self.limits.recover_wait * self.slo.ttft
         state = self.state
         if state != "overload" and overloaded:
             state = "overload"

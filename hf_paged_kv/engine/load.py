@@ -53,8 +53,10 @@ class LoadControl:
         engine, stats = self.engine, self.engine.pool.stats()
         total = max(stats["num_blocks"], 1)
         lookups = max(stats["lookup_tokens"], 1)
+        fresh = [request.arrived for request in engine.scheduler.waiting if not request.generated]
         self.signals.sample_levels({
             "queue_depth": len(engine.scheduler.waiting),
+            "oldest_wait": now - min(fresh) if fresh else 0.0,
             "kv_usage": stats["blocks_used"] / total,
             "host_usage": stats.get("host_blocks_used", 0) / max(stats.get("host_blocks", 1), 1),
             "pinned_share": stats["blocks_pinned"] / total,
