@@ -36,7 +36,7 @@ def setup(**thresholds):
                   lambda v: applied.append(("watermark", v))),
              Knob("max_batch_tokens", 256, {}, 64, 512, lambda v: applied.append(("max_batch_tokens", v)))]
     actions = []
-    controller = Controller(knobs, SLO(ttft=1.0, per_token=0.1), Thresholds(dwell=3.0, tick=0.5, **thresholds),
+    controller = Controller(knobs, SLO(ttft=1.0, per_token=0.1), Thresholds(**dict(dwell=3.0, tick=0.5, overload_wait=2.0) | thresholds),
                             on_action=lambda knob, value: actions.append((knob, value)))
     return clock, signals, controller, applied, actions
 
