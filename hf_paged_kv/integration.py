@@ -255,11 +255,10 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     if current is None:  # this forward uses another cache (or none): the model's own attention
         return _previous_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
-    if not REFUSED_KWARGS.keys().isdisjoint(kwargs):
-        for name, feature in REFUSED_KWARGS.items():
-            if kwargs.get(name) is not None:
-                raise UnsupportedModelError(f"attention argument {name!r} ({feature}) is not supported by the paged "
-                                            "backends")
+    for name in REFUSED_KWARGS.keys() & kwargs.keys():  # one set operation per layer call
+        if kwargs[name] is not None:
+            raise UnsupportedModelError(f"attention argument {name!r} ({REFUSED_KWARGS[name]}) is not supported by "
+                                        "the paged backends")
     if dropout:
         raise PagedKVError("PagedCache is for inference: attention dropout must be 0 (call model.eval())")
     if key.shape[2] != query.shape[2]:

@@ -93,6 +93,16 @@ def greedy(model, cache, ids, mask, new_tokens=12, **kwargs):
     )
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls gain nothing from intra-op threads, and on a shared machine lose a lot: a
+    module of many tiny models runs on one (`pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def llama():
     model = make_model("llama")

@@ -13,13 +13,7 @@ from tiny_models import CATALOGUE, SUPPORTED, VOCAB, build
 WIDE_MODES = sorted(MODES) + ["inputs_embeds", "scores", "assisted", "prompt_lookup", "one_row"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and on a shared machine lose a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def batch_for(kind: str):

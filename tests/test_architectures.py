@@ -49,13 +49,7 @@ def assert_same_tokens(got: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls gain nothing from intra-op threads, and on a shared machine lose a lot."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module", params=SUPPORTED)

@@ -10,9 +10,9 @@ flaps:
   leave sooner, prefetching stops, and cold cached blocks are demoted to the host tier ahead
   of need;
 - **overload** (requests waited far longer than the target and the queue still holds late ones):
-  all of the above, and the lowest
-  priorities are shed – new requests refused and waiting ones turned away with an honest
-  `retry_after` – raising the shed level one priority at a time while overload lasts.
+  all of the above, and the lowest priorities are shed – new requests refused and waiting ones
+  turned away with an honest `retry_after` – raising the shed level one priority at a time while
+  overload lasts.
 
 Independently of the state, the batch token budget shrinks when the per-token latency breaks
 its target and grows back while there is a queue and headroom. Every knob is bounded, every
