@@ -51,7 +51,6 @@ class EnabledState:
     original_forward: object
     config_digest: str
     fingerprint: str
-    dtype: torch.dtype
     params: list  # (name, parameter), sorted: the weights the fingerprint samples
     device: torch.device  # of the first weight: a model moved elsewhere is refused
     first_dtype: torch.dtype  # of the first weight: a model converted to another dtype is refused
@@ -88,17 +87,16 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         layers = probe(model)  # one token through the model: which layers, what KV shapes
         backend_name = backends.choose(backend, [spec.device for spec in layers])
         config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
-        dtype = _model_dtype(model)
         params = sorted(model.named_parameters())
         fingerprint = _fingerprint(model, params, config_digest, pool)
-        pool.bind(layers, dtype, fingerprint)
+        pool.bind(layers, _model_dtype(model), fingerprint)
     except BaseException:
         model.set_attn_implementation(previous)
         _PREVIOUS.pop(id(model.config), None)
         raise
     original = model.forward
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
-                         dtype, params, params[0][1].device, params[0][1].dtype, time.monotonic(),
+                         params, params[0][1].device, params[0][1].dtype, time.monotonic(),
                          "forward" in vars(model))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
@@ -141,7 +139,8 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
     if first.dtype != state.first_dtype or first.device != state.device:
         raise PagedKVError(
             f"the model's dtype or device changed after hf_paged_kv.enable (now {first.dtype} on {first.device}); "
-            f"its pool holds {state.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a new KVPool"
+            f"its pool holds {state.pool.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a "
+            "new KVPool"
         )
     if time.monotonic() - state.checked <= max_age:
         return state.fingerprint

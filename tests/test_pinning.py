@@ -127,3 +127,29 @@ def test_prefix_that_keeps_returning_under_churn_gets_pinned(model):
     assert [p["reason"] for p in pool.stats()["pins"]] == ["hot"]  # ... but its weight (1, 2, 3) made it hot
     assert skip_of(model, hot)[0] == 40  # and the pin kept it through the last churn
     assert_pool_clean(pool)
+
+
+def test_automatic_pins_over_budget_are_refused_counted_and_warned_once(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.1))  # 4 blocks
+    hf_paged_kv.pin(model, tokens(32, 30), priority=5)  # fills the budget, nothing below it to displace
+    outputs = []
+    with pytest.warns(UserWarning) as caught:
+        for seed in (31, 32):  # two conversations of two turns: each asks to pin its first turn
+            with PagedCache(pin_turns=1) as cache:
+                history = tokens(20, seed)
+                for turn in range(2):
+                    ids = history[None]
+                    history = torch.cat([greedy(model, cache, ids, torch.ones_like(ids), new_tokens=3)[0],
+                                         tokens(5, seed + 10 + turn)])
+                outputs.append(history)
+    refusals = [w for w in caught if "pin refused" in str(w.message)]
+    assert len(refusals) == 1 and "exceeds the pin budget of 4 blocks" in str(refusals[0].message)
+    stats = pool.stats()
+    assert stats["pins_refused"] == 2 and [p["reason"] for p in stats["pins"]] == ["explicit"]
+    for seed, output in zip((31, 32), outputs):  # a refused pin changes no token
+        history = tokens(20, seed)
+        for turn in range(2):
+            ids = history[None]
+            history = torch.cat([greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=3)[0],
+                                 tokens(5, seed + 10 + turn)])
+        torch.testing.assert_close(output, history, rtol=0, atol=0)

@@ -17,8 +17,9 @@ Pins come from three sources, shown in `KVPool.stats()["pins"]` with their reaso
 The **budget** (`KVPool(pin_budget=0.25)`, a fraction of the pool's blocks) bounds the distinct
 pinned blocks. A new pin that does not fit displaces pins of strictly lower priority, lowest
 first then oldest; if even that cannot make room, an explicit `pin` raises `PinBudgetError`
-and a `turns` or `hot` pin is refused with a warning and counted in `pins_refused`. Pins
-expire at their TTL.
+and a `turns` or `hot` pin is refused and counted in `pins_refused`, with a warning for the
+first refusal only (under a full budget they come every step, and the count says the rest).
+Pins expire at their TTL.
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class PinRegistry:
             if reason == "explicit":
                 raise PinBudgetError(message + "; unpin something, lower other pins' priority or raise pin_budget")
             self.refused += 1
-            warnings.warn(f"{reason} pin refused: {message}", stacklevel=3)
+            if self.refused == 1:
+                warnings.warn(f"{reason} pin refused: {message}; further refusals are only counted in "
+                              "stats()['pins_refused']", stacklevel=3)
             return None
         pin = Pin(next(self._ids), blocks, tenant, priority, reason, now, None if ttl is None else now + ttl,
                   len(blocks) * self.index.block_size)
