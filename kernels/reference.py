@@ -32,18 +32,15 @@ def store_kv(key_cache, value_cache, key, value, slots) -> None:
     value_cache.view(-1, heads, dim).index_copy_(0, slots.long(), value)
 
 
-def gather_slots(block_tables: torch.Tensor, block_size: int, max_len: int) -> torch.Tensor:
-    """Pool slot of every key position `[B, max_len]`; positions past a row's blocks map to slot 0."""
-    pos = torch.arange(max_len, device=block_tables.device)
-    blocks = block_tables[:, pos // block_size].long().clamp_min(0)
-    return blocks * block_size + pos % block_size
-
-
-def gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """Copy the pool slots `[B, L]` of one layer's cache into `[B, kv_heads, L, head_dim]`."""
-    kv_heads, dim = cache.shape[-2:]
-    rows = cache.view(-1, kv_heads, dim).index_select(0, slots.reshape(-1))
-    return rows.view(*slots.shape, kv_heads, dim).transpose(1, 2)
+def gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Copy the first `length` stored tokens of each row of `block_tables` `[B, n]` out of one
+    layer's cache into `[B, kv_heads, length, head_dim]`. Whole blocks are copied (a block is one
+    contiguous chunk of the pool, so this runs at memory-copy speed); table entries of -1, past a
+    row's blocks, read block 0 and must be masked by the caller."""
+    batch, size = block_tables.shape[0], cache.shape[1]
+    count = -(-length // size)
+    blocks = cache.index_select(0, block_tables[:, :count].reshape(-1).long().clamp_min(0))
+    return blocks.view(batch, count * size, *cache.shape[2:])[:, :length].transpose(1, 2)
 
 
 def attention_mask(q_pos, kv_lens, max_len: int, window=None, q_logical=None, k_logical=None) -> torch.Tensor:
@@ -64,9 +61,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of `query` `[B, heads, T, head_dim]` over the paged KV; returns the same shape."""
     max_len = max(int(kv_lens.max()) if kv_lens.numel() else 0, 1)
-    slots = gather_slots(block_tables, key_cache.shape[1], max_len)
     mask = attention_mask(q_pos, kv_lens, max_len, window)
-    keys, values = gather(key_cache, slots).to(query.dtype), gather(value_cache, slots).to(query.dtype)
+    keys = gather(key_cache, block_tables, max_len).to(query.dtype)
+    values = gather(value_cache, block_tables, max_len).to(query.dtype)
     if softcap:
         return eager_attention(query, keys, values, mask, scale, softcap)[0]
     return sdpa(query, keys, values, mask, scale)

@@ -167,8 +167,7 @@ class TorchBackend:
             return tuple(cache.view(-1, heads, dim)[lo:hi].unsqueeze(0).transpose(1, 2).to(dtype)
                          for cache in (keys, values))
         tables = plan.on("block_tables", keys.device)[sequence : sequence + 1]
-        slots = reference.gather_slots(tables, size, length)[:, first:]
-        return reference.gather(keys, slots).to(dtype), reference.gather(values, slots).to(dtype)
+        return tuple(reference.gather(cache, tables, length)[:, :, first:].to(dtype) for cache in (keys, values))
 
     def _padded(self, query, keys, values, plan, scale, window, softcap=None, explicit=False):
         """Every row's keys gathered into one padded batch, one SDPA (or explicit) call with a
@@ -177,12 +176,11 @@ class TorchBackend:
         length = max(plan.max_kv_len, 1)
         memo = ("torch-padded", device, window, width)
         if memo not in plan.memo:
-            slots = reference.gather_slots(plan.on("block_tables", device), plan.block_size, length)
-            mask, causal = self._mask(plan, device, batch, width, length, window)
-            plan.memo[memo] = slots, mask, causal
-        slots, mask, causal = plan.memo[memo]
-        seq_keys = reference.gather(keys, slots).to(query.dtype)
-        seq_values = reference.gather(values, slots).to(query.dtype)
+            plan.memo[memo] = self._mask(plan, device, batch, width, length, window)
+        mask, causal = plan.memo[memo]
+        tables = plan.on("block_tables", device)
+        seq_keys = reference.gather(keys, tables, length).to(query.dtype)
+        seq_values = reference.gather(values, tables, length).to(query.dtype)
         if explicit:
             if mask is None:
                 mask = reference.attention_mask(plan.on("q_pos", device).view(batch, width),
