@@ -47,8 +47,8 @@ def plant_heads_rotated():
 def plant_reused_positions_shifted():
     drop = integration._drop_columns
 
-    def shifted(args, kwargs, skip, past):
-        args, kwargs = drop(args, kwargs, skip, past)
+    def shifted(args, kwargs, skip):
+        args, kwargs = drop(args, kwargs, skip)
         kwargs["position_ids"] = kwargs["position_ids"] + 1
         return args, kwargs
 

@@ -25,11 +25,16 @@ SELECTION = {
 
 
 def run_with(bug: str | None, args: list[str]) -> tuple[int, int]:
-    env = dict(os.environ) | ({"HF_PAGED_KV_PLANT": bug} if bug else {})
+    """`(failed, passed)` of the selection with `bug` planted. Every failure must be a failed
+    assertion: a plant that no longer fits the code it patches raises instead, and would be
+    counted as caught."""
+    env = dict(os.environ) | ({"HF_PAGED_KV_PLANT": bug} if bug else {}) | {"COLUMNS": "400"}
     result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "planted_bugs",
                              *args], cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
-    summary = result.stdout.strip().splitlines()[-1]
-    count = lambda word: int(m.group(1)) if (m := re.search(rf"(\d+) {word}", summary)) else 0  # noqa: E731
+    lines = result.stdout.strip().splitlines()
+    crashed = [line for line in lines if line.startswith("FAILED") and "AssertionError" not in line]
+    assert not crashed, f"{bug}: tests failed by raising, not by asserting: {crashed[:3]}"
+    count = lambda word: int(m.group(1)) if (m := re.search(rf"(\d+) {word}", lines[-1])) else 0  # noqa: E731
     return count("failed"), count("passed")
 
 
