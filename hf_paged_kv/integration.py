@@ -267,7 +267,7 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     layer, plan = module.layer_idx, current.plan
     current.backend.write(plan, layer, key, value)
     out, weights = current.backend.attention(query, layer, plan, scale, sliding_window, softcap,
-                                             need_weights=current.need_weights)
+                                             need_weights=current.need_weights, new_kv=(key, value))
     if weights is not None:
         weights = _logical_weights(weights, plan)
     return out.transpose(1, 2).contiguous(), weights

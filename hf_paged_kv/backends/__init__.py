@@ -3,8 +3,11 @@
 A backend has two calls, made by the registered attention function for every layer:
 
     write(plan, layer, key, value)        # key/value [B, kv_heads, T, head_dim] -> pool slots
-    attention(query, layer, plan, scale, window=None, softcap=None, need_weights=False)
+    attention(query, layer, plan, scale, window=None, softcap=None, need_weights=False, new_kv=None)
         -> (output [B, heads, T, head_dim], weights [B, heads, T, keys] or None)
+
+`new_kv` is the forward's own `(key, value)`, which a backend may attend directly where they are
+every row's whole sequence (the torch backend does, for prefills into empty rows).
 
 `torch` (gather or zero-copy views + SDPA, built on `hf_paged_kv.kernels.reference`) runs
 anywhere; `triton` (paged kernels) is the default on CUDA.

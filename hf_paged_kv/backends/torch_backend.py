@@ -48,9 +48,12 @@ class TorchBackend:
         return plan.memo[key]
 
     # ------------------------------------------------------------ attention
-    def attention(self, query, layer: int, plan, scale: float, window=None, softcap=None, need_weights=False):
+    def attention(self, query, layer: int, plan, scale: float, window=None, softcap=None, need_weights=False,
+                  new_kv=None):
         """`query` `[B, heads, T, head_dim]` against the paged KV of `layer`; returns the output
-        in the same shape, and the weights `[B, heads, T, max_kv_len]` when `need_weights`."""
+        in the same shape, and the weights `[B, heads, T, max_kv_len]` when `need_weights`.
+        `new_kv`: this forward's own keys and values, attended directly when they are every
+        row's whole sequence (a prefill into empty rows), as DynamicCache does."""
         keys, values = self.pool.key_cache[layer], self.pool.value_cache[layer]
         if query.shape[0] != plan.num_sequences:  # the serving engine's packed row
             return self._packed(query, keys, values, plan, scale, window, softcap), None
@@ -59,6 +62,8 @@ class TorchBackend:
             return out, weights if need_weights else None
         if window is not None and plan.q_logical is not None:  # windows over padding gaps: the general mask
             return self._padded(query, keys, values, plan, scale, window)
+        if new_kv is not None and new_kv[0].dtype == keys.dtype and self._only_new_keys(plan, query.shape[2], window):
+            return reference.sdpa(query, *new_kv, None, scale, is_causal=query.shape[2] > 1), None
         if plan.decode_only:
             return self._decode(query, keys, values, plan, scale, window), None
         if query.shape[0] <= 4 and self._rows_in_place(plan, query.shape[2]):  # a prefill or chunk per row
@@ -66,6 +71,17 @@ class TorchBackend:
                        for row in range(query.shape[0])]
             return (outputs[0] if len(outputs) == 1 else torch.cat(outputs)), None
         return self._padded(query, keys, values, plan, scale, window)
+
+    @staticmethod
+    def _only_new_keys(plan, width: int, window) -> bool:
+        """Every row is real and stores exactly this forward's `width` tokens, nothing before them,
+        and no window cuts them: the pool holds the same keys as the forward, in order (the dtype
+        check is the caller's), so attention needs no read of the pool."""
+        key = ("torch-only-new", window)
+        if key not in plan.memo:
+            plan.memo[key] = bool((window is None or width <= window) and (plan.kv_lens == width).all()
+                                  and (plan.q_pos.reshape(-1, width) == np.arange(width)).all())
+        return plan.memo[key]
 
     @staticmethod
     def _rows_in_place(plan, width: int) -> bool:

@@ -31,8 +31,10 @@ class TritonBackend:
         write_kv(self.pool.key_cache[layer], self.pool.value_cache[layer],
                  key.transpose(1, 2), value.transpose(1, 2), plan.on("slot_mapping", key.device))
 
-    def attention(self, query, layer: int, plan, scale: float, window=None, softcap=None, need_weights=False):
-        """`query` `[B, heads, T, head_dim]` against the paged KV of `layer`; same shape out."""
+    def attention(self, query, layer: int, plan, scale: float, window=None, softcap=None, need_weights=False,
+                  new_kv=None):
+        """`query` `[B, heads, T, head_dim]` against the paged KV of `layer`; same shape out.
+        `new_kv` is not used: the kernels read every key from the pool."""
         if need_weights or (window is not None and plan.q_logical is not None):
             return self.fallback.attention(query, layer, plan, scale, window, softcap, need_weights)
         caches = self.pool.key_cache[layer], self.pool.value_cache[layer]
