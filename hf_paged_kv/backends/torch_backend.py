@@ -163,14 +163,24 @@ class TorchBackend:
         seq_keys, seq_values = self._sequence_kv(keys, values, plan, sequence, first, length, query.dtype)
         if not softcap and (count == 1 or (count == length and (window is None or length <= window))):
             return reference.sdpa(query, seq_keys, seq_values, None, scale, is_causal=count > 1)
-        key_positions = torch.arange(first, length, device=query.device)[None, :]
-        positions = torch.arange(length - count, length, device=query.device)[:, None]
-        visible = key_positions <= positions
-        if window is not None:
-            visible &= key_positions > positions - window
+        visible = self._causal_mask(plan, query.device, first, length, count, window)
         if softcap:
             return reference.eager_attention(query, seq_keys, seq_values, visible[None, None], scale, softcap)[0]
         return reference.sdpa(query, seq_keys, seq_values, visible[None, None], scale)
+
+    @staticmethod
+    def _causal_mask(plan, device, first: int, length: int, count: int, window) -> torch.Tensor:
+        """Boolean `[count, length - first]`: which of keys first..length each of the last `count`
+        queries sees; built once per forward (every layer asks for the same)."""
+        key = ("torch-causal", device, first, length, count, window)
+        if key not in plan.memo:
+            key_positions = torch.arange(first, length, device=device)[None, :]
+            positions = torch.arange(length - count, length, device=device)[:, None]
+            visible = key_positions <= positions
+            if window is not None:
+                visible &= key_positions > positions - window
+            plan.memo[key] = visible
+        return plan.memo[key]
 
     @staticmethod
     def _sequence_kv(keys, values, plan, sequence: int, first: int, length: int, dtype):
