@@ -192,5 +192,6 @@ class DiskTier:
 def _checksum(header: dict, tensors: dict) -> str:
     digest = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=16)
     for name in sorted(tensors):
-        digest.update(name.encode() + tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy())  # hashed in place, not copied
     return digest.hexdigest()
