@@ -255,3 +255,31 @@ def test_clear_tenant_reaches_every_tier(tmp_path):
         generate(model, ids, cache, new=1)
         assert cache.inherited == [0]
     hf_paged_kv.disable(model)
+
+
+# --------------------------------------------------------------- pool dtype
+def test_a_pool_of_lower_precision_stores_it_and_tracks_full_precision():
+    """`KVPool(dtype=bfloat16)` under an fp32 model: KV is stored rounded (half the bytes), the
+    prefill and every decode step read what was stored, and the logits stay within a few percent
+    of DynamicCache's (bf16 rounding, compounded over the layers)."""
+    model = make_model("llama", seed=5)
+    ids = prompt(37, 6)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=8, dtype=torch.bfloat16))
+    assert all(cache.dtype == torch.bfloat16 for cache in pool.key_cache + pool.value_cache)
+    steps = [ids, torch.tensor([[7]]), torch.tensor([[11]])]
+    logits = {}
+    for name, cache in (("paged", PagedCache(reuse=False)), ("dynamic", DynamicCache())):
+        seen, logits[name] = 0, []
+        for chunk in steps:
+            seen += chunk.shape[1]
+            out = model(input_ids=chunk, attention_mask=torch.ones(1, seen, dtype=torch.long), past_key_values=cache,
+                        position_ids=torch.arange(seen - chunk.shape[1], seen)[None])
+            logits[name].append(out.logits[0, -1])
+        if name == "paged":
+            cache.release()
+    for paged, dynamic in zip(logits["paged"], logits["dynamic"]):
+        assert not torch.equal(paged, dynamic)  # the rounded KV is what attention read
+        assert (paged - dynamic).abs().max() <= 0.03 * dynamic.abs().max()  # measured: 1.2%
+        assert paged.argmax() == dynamic.argmax()
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
