@@ -131,7 +131,7 @@ def test_prefix_that_keeps_returning_under_churn_gets_pinned(model):
 
 def test_automatic_pins_over_budget_are_refused_counted_and_warned_once(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.1))  # 4 blocks
-    hf_paged_kv.pin(model, tokens(32, 30), priority=5)  # fills the budget, nothing below it to displace
+    explicit = hf_paged_kv.pin(model, tokens(32, 30), priority=5)  # fills the budget, nothing below it to displace
     outputs = []
     with pytest.warns(UserWarning) as caught:
         for seed in (31, 32):  # two conversations of two turns: each asks to pin its first turn
@@ -153,3 +153,25 @@ def test_automatic_pins_over_budget_are_refused_counted_and_warned_once(model):
             history = torch.cat([greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=3)[0],
                                  tokens(5, seed + 10 + turn)])
         torch.testing.assert_close(output, history, rtol=0, atol=0)
+    hf_paged_kv.unpin(model, explicit)
+    assert_pool_clean(pool)
+
+
+def test_a_refusal_after_a_budget_shrink_still_warns(model):
+    """Pins dropped by a smaller budget count as refused too, but the first refusal of an
+    automatic pin still warns (once)."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
+    explicit = hf_paged_kv.pin(model, tokens(64, 40), priority=5)  # 8 blocks
+    with pool.locked():
+        pool.reuse.pins.shrink_to(0.1)  # 4 blocks, as the load controller does: the pin is dropped and counted
+    assert pool.stats()["pins_refused"] == 1 and pool.stats()["blocks_pinned"] == 0
+    explicit = hf_paged_kv.pin(model, tokens(32, 41), priority=5)  # 4 blocks: the budget is full again
+    with pytest.warns(UserWarning, match="pin refused"):
+        with PagedCache(pin_turns=1) as cache:
+            history = tokens(20, 42)[None]
+            for turn in range(2):
+                history = torch.cat([greedy(model, cache, history, torch.ones_like(history), new_tokens=3),
+                                     tokens(5, 43 + turn)[None]], dim=1)
+    assert pool.stats()["pins_refused"] == 2
+    hf_paged_kv.unpin(model, explicit)
+    assert_pool_clean(pool)

@@ -73,6 +73,7 @@ class PinRegistry:
         self.pins: dict[int, Pin] = {}
         self._ids = itertools.count(1)
         self.refused = 0
+        self.warned = False  # a refused automatic pin warns once; the count says the rest
 
     # ----------------------------------------------------------------- pins
     @property
@@ -91,7 +92,8 @@ class PinRegistry:
             if reason == "explicit":
                 raise PinBudgetError(message + "; unpin something, lower other pins' priority or raise pin_budget")
             self.refused += 1
-            if self.refused == 1:
+            if not self.warned:
+                self.warned = True
                 warnings.warn(f"{reason} pin refused: {message}; further refusals are only counted in "
                               "stats()['pins_refused']", stacklevel=3)
             return None
