@@ -32,15 +32,17 @@ def store_kv(key_cache, value_cache, key, value, slots) -> None:
     value_cache.view(-1, heads, dim).index_copy_(0, slots.long(), value)
 
 
-def gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Copy the first `length` stored tokens of each row of `block_tables` `[B, n]` out of one
-    layer's cache into `[B, kv_heads, length, head_dim]`. Whole blocks are copied (a block is one
-    contiguous chunk of the pool, so this runs at memory-copy speed); table entries of -1, past a
-    row's blocks, read block 0 and must be masked by the caller."""
+def gather(cache: torch.Tensor, block_tables: torch.Tensor, length: int, first: int = 0) -> torch.Tensor:
+    """Copy stored tokens first..length of each row of `block_tables` `[B, n]` out of one layer's
+    cache into `[B, kv_heads, length - first, head_dim]`. Whole blocks are copied (a block is one
+    contiguous chunk of the pool, so this runs at memory-copy speed), from the block holding
+    `first`; table entries of -1, past a row's blocks, read block 0 and must be masked by the
+    caller."""
     batch, size = block_tables.shape[0], cache.shape[1]
-    count = -(-length // size)
-    blocks = cache.index_select(0, block_tables[:, :count].reshape(-1).long().clamp_min(0))
-    return blocks.view(batch, count * size, *cache.shape[2:])[:, :length].transpose(1, 2)
+    start, end = first // size, -(-length // size)
+    blocks = cache.index_select(0, block_tables[:, start:end].reshape(-1).long().clamp_min(0))
+    tokens = blocks.view(batch, (end - start) * size, *cache.shape[2:])
+    return tokens[:, first - start * size : length - start * size].transpose(1, 2)
 
 
 def attention_mask(q_pos, kv_lens, max_len: int, window=None, q_logical=None, k_logical=None) -> torch.Tensor:

@@ -4,8 +4,9 @@
 Reading paged KV costs a copy unless the keys lie in consecutive blocks: the allocator keeps
 each sequence's blocks in one run where it can, and then the keys are a zero-copy view of the
 pool (`[1, kv_heads, L, head_dim]` with the pool's strides), which SDPA reads directly. Decode
-steps read every sequence that way; fragmented sequences, prefills and padded batches gather
-their keys into one padded batch for a single SDPA call.
+steps and prefill chunks of up to four rows read each sequence that way; a prefill into empty
+rows attends the forward's own keys; fragmented sequences are gathered a block at a time, and
+padded batches, attention weights and soft-capping gather every row into one padded batch.
 """
 
 from __future__ import annotations
@@ -74,9 +75,10 @@ class TorchBackend:
 
     @staticmethod
     def _only_new_keys(plan, width: int, window) -> bool:
-        """Every row is real and stores exactly this forward's `width` tokens, nothing before them,
-        and no window cuts them: the pool holds the same keys as the forward, in order (the dtype
-        check is the caller's), so attention needs no read of the pool."""
+        """Every row is real and holds exactly this forward's `width` tokens, nothing before them,
+        and no window cuts them: the forward's keys are the row's whole sequence, in order (for a
+        row that shares another's blocks, recomputed equal to the ones stored; the dtype check is
+        the caller's), so attention needs no read of the pool."""
         key = ("torch-only-new", window)
         if key not in plan.memo:
             plan.memo[key] = bool((window is None or width <= window) and (plan.kv_lens == width).all()
@@ -193,7 +195,7 @@ class TorchBackend:
             return tuple(cache.view(-1, heads, dim)[lo:hi].unsqueeze(0).transpose(1, 2).to(dtype)
                          for cache in (keys, values))
         tables = plan.on("block_tables", keys.device)[sequence : sequence + 1]
-        return tuple(reference.gather(cache, tables, length)[:, :, first:].to(dtype) for cache in (keys, values))
+        return tuple(reference.gather(cache, tables, length, first).to(dtype) for cache in (keys, values))
 
     def _padded(self, query, keys, values, plan, scale, window, softcap=None, explicit=False):
         """Every row's keys gathered into one padded batch, one SDPA (or explicit) call with a
