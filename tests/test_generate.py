@@ -43,11 +43,12 @@ def test_block_sizes_and_prompts_spanning_many_blocks(block_size):
     assert_pool_clean(pool)
 
 
+@pytest.mark.parametrize("rows", [3, 1])  # one row: attended alone, gathered from its window's first block
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
-def test_fragmented_pool_gives_same_tokens(arch):
+def test_fragmented_pool_gives_same_tokens(arch, rows):
     """Blocks scattered over the pool (no sequence gets a contiguous run) must not change the answer."""
     model = make_model(arch, seed=2)
-    ids, mask = random_batch(3, 70, seed=3)
+    ids, mask = random_batch(rows, 70, seed=3)
     expected = greedy(model, DynamicCache(), ids, mask, new_tokens=16)
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=128, block_size=8))
     held = fragment(pool)
