@@ -81,8 +81,8 @@ class TorchBackend:
         the caller's), so attention needs no read of the pool."""
         key = ("torch-only-new", window)
         if key not in plan.memo:
-            plan.memo[key] = bool((window is None or width <= window) and (plan.kv_lens == width).all()
-                                  and (plan.q_pos.reshape(-1, width) == np.arange(width)).all())
+            plan.memo[key] = ((window is None or width <= window) and bool((plan.kv_lens == width).all())
+                              and _queries_are_row_tails(plan, width))
         return plan.memo[key]
 
     @staticmethod
@@ -91,9 +91,7 @@ class TorchBackend:
         real: each row attends through a view, no gather."""
         key = "torch-rows-in-place"
         if key not in plan.memo:
-            lens = plan.kv_lens.astype(np.int64)
-            last = plan.q_pos.reshape(len(lens), width) == lens[:, None] - width + np.arange(width)
-            plan.memo[key] = bool((plan.contiguous >= 0).all() and last.all())
+            plan.memo[key] = bool((plan.contiguous >= 0).all()) and _queries_are_row_tails(plan, width)
         return plan.memo[key]
 
     def _decode(self, query, keys, values, plan, scale, window):
@@ -220,10 +218,7 @@ class TorchBackend:
     def _mask(plan, device, batch, width, length, window):
         """`(mask, is_causal)`: no mask when every row is real and of one length, as a standard
         decode step or a whole-prompt prefill."""
-        lens = plan.kv_lens.astype(np.int64)
-        standard = (lens == lens[0]).all() and (
-            plan.q_pos.reshape(batch, width) == lens[:, None] - width + np.arange(width)
-        ).all()
+        standard = (plan.kv_lens == plan.kv_lens[0]).all() and _queries_are_row_tails(plan, width)
         window_is_moot = window is None or (length <= window and plan.q_logical is None)  # logical gaps count
         if standard and width in (1, length) and window_is_moot:
             return None, width > 1
@@ -232,3 +227,14 @@ class TorchBackend:
         mask = reference.attention_mask(plan.on("q_pos", device).view(batch, width), plan.on("kv_lens", device),
                                         length, window, q_logical, k_logical)
         return mask, False
+
+
+def _queries_are_row_tails(plan, width: int) -> bool:
+    """Each row's `width` queries are its last `width` stored tokens, all real (no pads);
+    computed once per forward."""
+    key = ("torch-row-tails", width)
+    if key not in plan.memo:
+        lens = plan.kv_lens.astype(np.int64)
+        tails = plan.q_pos.reshape(len(lens), width) == lens[:, None] - width + np.arange(width)
+        plan.memo[key] = bool(tails.all())
+    return plan.memo[key]
