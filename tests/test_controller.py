@@ -148,7 +148,7 @@ def test_engine_under_a_burst_sheds_the_lowest_priority_and_recovers():
     model = make_model("llama", seed=2)
     engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8),
                     limits=Limits(max_running=2, max_batch_tokens=64), slo=SLO(ttft=0.05, per_token=1.0),
-                    thresholds=Thresholds(dwell=0.2, tick=0.05))
+                    thresholds=Thresholds(dwell=0.2, tick=0.05, overload_wait=2.0))
     prompt = lambda seed: torch.randint(3, VOCAB, (24,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa
     handles, refused = [], []
     with engine:
