@@ -76,6 +76,15 @@ class StepPlan:
                 (self.q_pos == self.kv_lens.astype(np.int64) - 1).all())
         return self.memo["decode_only"]
 
+    @property
+    def single_and_chunked(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(single, chunked)`: the sequences with one query (decodes, attended together in a
+        packed forward) and those with several (prefill chunks, attended one by one)."""
+        if "single_and_chunked" not in self.memo:
+            single = self.query_counts == 1
+            self.memo["single_and_chunked"] = np.flatnonzero(single), np.flatnonzero(~single)
+        return self.memo["single_and_chunked"]
+
     def on(self, name: str, device: torch.device) -> torch.Tensor:
         """Field `name` as a tensor on `device`, copied once per forward."""
         key = (name, device)

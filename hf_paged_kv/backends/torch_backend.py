@@ -7,6 +7,8 @@ pool (`[1, kv_heads, L, head_dim]` with the pool's strides), which SDPA reads di
 steps and prefill chunks of up to four rows read each sequence that way; a prefill into empty
 rows attends the forward's own keys; fragmented sequences are gathered a block at a time, and
 padded batches, attention weights and soft-capping gather every row into one padded batch.
+In the serving engine's packed forward, the decodes are gathered into one padded batch too (one
+call for all of them costs less than one call each) and each prefill chunk attends on its own.
 """
 
 from __future__ import annotations
@@ -144,17 +146,46 @@ class TorchBackend:
         return plan.memo[key]
 
     def _packed(self, query, keys, values, plan, scale, window, softcap):
-        """Many sequences in one row (the serving engine): each sequence's queries attend on
-        their own; decodes are batched together."""
+        """Many sequences in one row (the serving engine): the decodes (one query each) attend
+        together, each prefill chunk on its own."""
         flat = query[0].transpose(0, 1)  # [Q, heads, dim]
         out = torch.empty_like(flat)
+        decodes, chunks = plan.single_and_chunked
+        if len(decodes) > 1:
+            self._decode_rows(flat, out, keys, values, plan, scale, window, softcap)
+        else:  # a lone decode reads its sequence through a view where it can
+            chunks = range(plan.num_sequences)
         starts = plan.q_start
-        for sequence in range(plan.num_sequences):
+        for sequence in chunks:
             lo, hi = int(starts[sequence]), int(starts[sequence + 1])
             rows = flat[lo:hi].transpose(0, 1)[None]  # [1, heads, n, dim]
-            attended = self._attend_sequence(rows, keys, values, plan, sequence, scale, window, softcap)
+            attended = self._attend_sequence(rows, keys, values, plan, int(sequence), scale, window, softcap)
             out[lo:hi] = attended[0].transpose(0, 1)
         return out.transpose(0, 1)[None]
+
+    def _decode_rows(self, flat, out, keys, values, plan, scale, window, softcap):
+        """The packed forward's decodes: their keys gathered into one padded batch and attended
+        in one call (per-sequence calls cost more than the copy: 4.1 s against 1.6 s of a
+        SmolLM2 engine run); `flat`/`out` `[Q, heads, dim]`."""
+        key = ("torch-decode-rows", flat.device, window)
+        if key not in plan.memo:
+            decodes = plan.single_and_chunked[0]
+            lens = plan.kv_lens[decodes].astype(np.int64)
+            firsts = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)
+            positions = np.arange(int(firsts.min()), int(lens.max()))
+            visible = (positions >= firsts[:, None]) & (positions < lens[:, None])
+            plan.memo[key] = (to_device(plan.q_start[decodes], flat.device),
+                              to_device(plan.block_tables[decodes], flat.device), int(firsts.min()), int(lens.max()),
+                              to_device(visible, flat.device)[:, None, None])
+        rows, tables, first, length, visible = plan.memo[key]
+        query = flat.index_select(0, rows)[:, :, None]  # [n, heads, 1, dim]
+        seq_keys = reference.gather(keys, tables, length, first).to(query.dtype)
+        seq_values = reference.gather(values, tables, length, first).to(query.dtype)
+        if softcap:
+            attended = reference.eager_attention(query, seq_keys, seq_values, visible, scale, softcap)[0]
+        else:
+            attended = reference.sdpa(query, seq_keys, seq_values, visible, scale)
+        out.index_copy_(0, rows, attended[:, :, 0])
 
     def _attend_sequence(self, query, keys, values, plan, sequence: int, scale, window, softcap=None):
         """`query` `[1, heads, n, dim]`: the last `n` stored tokens of `sequence` (causal)."""
@@ -238,3 +269,4 @@ def _queries_are_row_tails(plan, width: int) -> bool:
         tails = plan.q_pos.reshape(len(lens), width) == lens[:, None] - width + np.arange(width)
         plan.memo[key] = bool(tails.all())
     return plan.memo[key]
+

@@ -8,7 +8,6 @@ batch with holes in its padding – run on the torch backend's path instead.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from hf_paged_kv.kernels.paged_decode import choose_splits, paged_decode
@@ -58,13 +57,12 @@ class TritonBackend:
         in its own `paged_prefill`."""
         flat = query[0].transpose(0, 1)  # [Q, heads, dim]
         out = torch.empty_like(flat)
-        counts = plan.query_counts
-        decodes = np.flatnonzero(counts == 1)
+        decodes, chunks = plan.single_and_chunked
         if len(decodes):
             rows, picked = to_device(plan.q_start[decodes], query.device), to_device(decodes, query.device)
             out[rows] = self._decode(flat[rows], caches, plan, tables[picked], kv_lens[picked], q_pos[rows], scale,
                                      window, softcap)
-        for sequence in np.flatnonzero(counts > 1).tolist():
+        for sequence in chunks.tolist():
             lo, hi = int(plan.q_start[sequence]), int(plan.q_start[sequence + 1])
             chunk = flat[lo:hi].transpose(0, 1)[None]
             out[lo:hi] = paged_prefill(chunk, *caches, tables[sequence : sequence + 1], kv_lens[sequence : sequence + 1],
