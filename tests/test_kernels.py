@@ -294,13 +294,18 @@ def test_no_synchronization_per_layer_on_cuda():
 
 
 @pytest.mark.parametrize("window, softcap", [(None, None), (7, None), (None, 2.0), (7, 2.0)])
-def test_torch_backend_packed_forward_matches_reference(window, softcap):
+@pytest.mark.parametrize("gather_bytes", [64 << 20, 1000])
+def test_torch_backend_packed_forward_matches_reference(window, softcap, gather_bytes, monkeypatch):
     """The serving engine's packed row on the torch backend: decodes of different lengths (one
-    in a contiguous run, the others scattered) attend together, prefill chunks alone; each
-    sequence's output equals the reference's for that sequence alone."""
+    in a contiguous run, the others scattered) attend in padded batches (several when the
+    gather budget is small or the lengths differ a lot), prefill chunks alone; each sequence's
+    output equals the reference's for that sequence alone."""
     from types import SimpleNamespace
 
+    from hf_paged_kv.backends import torch_backend
     from hf_paged_kv.backends.torch_backend import TorchBackend
+
+    monkeypatch.setattr(torch_backend, "GATHER_BYTES", gather_bytes)
     from hf_paged_kv.planner import plan_packed
     from hf_paged_kv.sequence import Sequence
 
