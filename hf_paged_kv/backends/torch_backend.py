@@ -7,8 +7,8 @@ pool (`[1, kv_heads, L, head_dim]` with the pool's strides), which SDPA reads di
 steps and prefill chunks of up to four rows read each sequence that way; a prefill into empty
 rows attends the forward's own keys; fragmented sequences are gathered a block at a time, and
 padded batches, attention weights and soft-capping gather every row into one padded batch.
-In the serving engine's packed forward, the decodes are gathered into one padded batch too (one
-call for all of them costs less than one call each) and each prefill chunk attends on its own.
+In the serving engine's packed forward, the decodes are gathered into padded batches too (one
+call for many costs less than one call each) and each prefill chunk attends on its own.
 """
 
 from __future__ import annotations
@@ -259,7 +259,6 @@ def _queries_are_row_tails(plan, width: int) -> bool:
         tails = plan.q_pos.reshape(len(lens), width) == lens[:, None] - width + np.arange(width)
         plan.memo[key] = bool(tails.all())
     return plan.memo[key]
-
 
 
 GATHER_BYTES = 64 << 20  # the most one padded decode batch copies out of the pool, keys or values
