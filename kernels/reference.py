@@ -66,6 +66,12 @@ def paged_attention(
     mask = attention_mask(q_pos, kv_lens, max_len, window)
     keys = gather(key_cache, block_tables, max_len).to(query.dtype)
     values = gather(value_cache, block_tables, max_len).to(query.dtype)
+    return attend(query, keys, values, mask, scale, softcap)
+
+
+def attend(query, keys, values, mask, scale, softcap=None) -> torch.Tensor:
+    """`query` against gathered `keys`/`values` under a boolean `mask`: SDPA, or the explicit
+    softmax when scores are soft-capped (SDPA cannot cap them)."""
     if softcap:
         return eager_attention(query, keys, values, mask, scale, softcap)[0]
     return sdpa(query, keys, values, mask, scale)

@@ -171,10 +171,7 @@ class TorchBackend:
             query = flat.index_select(0, rows)[:, :, None]  # [n, heads, 1, dim]
             seq_keys = reference.gather(keys, tables, width).to(query.dtype)
             seq_values = reference.gather(values, tables, width).to(query.dtype)
-            if softcap:
-                attended = reference.eager_attention(query, seq_keys, seq_values, visible, scale, softcap)[0]
-            else:
-                attended = reference.sdpa(query, seq_keys, seq_values, visible, scale)
+            attended = reference.attend(query, seq_keys, seq_values, visible, scale, softcap)
             out.index_copy_(0, rows, attended[:, :, 0])
 
     def _attend_sequence(self, query, keys, values, plan, sequence: int, scale, window, softcap=None):
@@ -185,9 +182,7 @@ class TorchBackend:
         if not softcap and (count == 1 or (count == length and (window is None or length <= window))):
             return reference.sdpa(query, seq_keys, seq_values, None, scale, is_causal=count > 1)
         visible = self._causal_mask(plan, query.device, first, length, count, window)
-        if softcap:
-            return reference.eager_attention(query, seq_keys, seq_values, visible[None, None], scale, softcap)[0]
-        return reference.sdpa(query, seq_keys, seq_values, visible[None, None], scale)
+        return reference.attend(query, seq_keys, seq_values, visible[None, None], scale, softcap)
 
     @staticmethod
     def _causal_mask(plan, device, first: int, length: int, count: int, window) -> torch.Tensor:
