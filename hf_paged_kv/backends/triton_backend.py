@@ -59,7 +59,10 @@ class TritonBackend:
         out = torch.empty_like(flat)
         decodes, chunks = plan.single_and_chunked
         if len(decodes):
-            rows, picked = to_device(plan.q_start[decodes], query.device), to_device(decodes, query.device)
+            key = ("triton-decodes", query.device)  # the same for every layer: copied to the device once
+            if key not in plan.memo:
+                plan.memo[key] = to_device(plan.q_start[decodes], query.device), to_device(decodes, query.device)
+            rows, picked = plan.memo[key]
             out[rows] = self._decode(flat[rows], caches, plan, tables[picked], kv_lens[picked], q_pos[rows], scale,
                                      window, softcap)
         for sequence in chunks.tolist():
