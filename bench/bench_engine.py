@@ -75,7 +75,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded
-from hf_paged_kv.engine import SLO, Limits, Thresholds
+from hf_paged_kv.engine import SLO, Limits, Thresholds, openmp
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -518,6 +518,7 @@ def serve_cb(model, reqs: list[Req], stop: list[int], size: dict, pad_id: int, n
                 used * per_block, {})
 
     consumer = threading.Thread(target=consume, daemon=True)
+    openmp.release_workers()  # as Engine.start does: this thread's idle OpenMP workers would slow the manager's
     manager.start()
     consumer.start()
     deadline = None if deadline_after is None else t0 + last + deadline_after
@@ -793,7 +794,10 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
                   "median over the rounds, every ratio compares medians of this run. Time to first token counts "
                   "from the scheduled arrival; per-token latency is per request (last - first token) / (tokens - 1), "
                   "then p50/p95 over requests. Tokens of every run are compared with per-request greedy `generate` "
-                  "(sequential, DynamicCache)."]
+                  "(sequential, DynamicCache). The engine and transformers CB run their steps on a thread of their "
+                  "own, and each starts with the client thread's idle OpenMP workers released "
+                  "(`hf_paged_kv.engine.openmp`: with more OpenMP threads than cores every parallel region pays a "
+                  "wake-up); the generate systems run on the client thread."]
     return "\n".join(lines)
 
 

@@ -286,7 +286,9 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
                   f"engine (the calibration) and of transformers CB; client and servers in one process on this machine "
                   f"({torch.get_num_threads()} torch threads). Queue, running sequences and KV usage are sampled every "
                   f"{size['period']} s; time to first token counts from the request's first submission; per-token "
-                  "latency is per request (last - first token) / (tokens - 1); percentiles are over requests."]
+                  "latency is per request (last - first token) / (tokens - 1); percentiles are over requests. Both "
+                  "engines and transformers CB start with the client thread's idle OpenMP workers released "
+                  "(`hf_paged_kv.engine.openmp`)."]
     return "\n".join(lines)
 
 

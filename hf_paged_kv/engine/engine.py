@@ -27,7 +27,7 @@ from ..errors import Overloaded, PagedKVError, PoolExhaustedError
 from ..integration import current_fingerprint, enable, state_of
 from ..pool import KVPool
 from ..sequence import Sequence
-from . import runner
+from . import openmp, runner
 from .admission import Admission
 from .controller import SLO, Thresholds
 from .load import LoadControl
@@ -84,6 +84,7 @@ class Engine:
     def start(self) -> "Engine":
         if self.thread is None:
             self.accepting = True
+            openmp.release_workers()  # this thread's idle OpenMP workers would throttle the engine's
             self.thread = threading.Thread(target=self._loop, name="hf_paged_kv-engine", daemon=True)
             self.thread.start()
         return self
@@ -110,7 +111,7 @@ class Engine:
         Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
         if not self.accepting:
             raise PagedKVError("the engine is not running: call start() or use it as a context manager")
-        ids = self._prompt_ids(prompt)
+        ids = _prompt_ids(prompt, self.tokenizer)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
         self.load.arrival()
@@ -140,26 +141,22 @@ class Engine:
         rate = self.admission.throughput()
         return max(1.0, queued / rate) if rate > 0 else 5.0
 
-    def _prompt_ids(self, prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs Engine(tokenizer=...)")
-            prompt = self.tokenizer(prompt)["input_ids"]
-        ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        return ids
-
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
+        idle = True
         while True:
             self._intake()
             self.load.tick()
             if not self.accepting and (not self.draining or not self._busy()):
                 break
-            if not self.step():
-                self.wakeup.wait(IDLE_WAIT)
-                self.wakeup.clear()
+            if self.step():
+                idle = False
+                continue
+            if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
+                openmp.release_workers()
+                idle = True
+            self.wakeup.wait(IDLE_WAIT)
+            self.wakeup.clear()
         for request in self.scheduler.waiting + self.scheduler.running:
             self._end(request, "cancelled")
 
@@ -288,6 +285,17 @@ class Engine:
         self.metrics.waiting.set(len(self.scheduler.waiting) + self.incoming.qsize())
         self.metrics.observe_pool(self.pool.stats())
         return self.metrics.text()
+
+
+def _prompt_ids(prompt, tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs Engine(tokenizer=...)")
+        prompt = tokenizer(prompt)["input_ids"]
+    ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+    if not ids:
+        raise ValueError("the prompt is empty")
+    return ids
 
 
 def _as_list(value) -> list[int]:

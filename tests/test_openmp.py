@@ -1,0 +1,93 @@
+"""The engine and GNU OpenMP: a thread's idle OpenMP workers outlive its parallel regions, and
+more libgomp threads than cores make every region slow (see hf_paged_kv/engine/openmp.py).
+`release_workers` frees the calling thread's workers; the engine frees the starting thread's
+at start and its own whenever it goes idle. Counted with the process's OS threads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_paged_kv
+from hf_paged_kv import Engine, KVPool
+from hf_paged_kv.engine import openmp
+
+pytestmark = pytest.mark.skipif(
+    torch.get_num_threads() < 2 or not openmp.loaded_libgomp() or not os.path.isdir("/proc/self/task"),
+    reason="needs torch on GNU OpenMP with 2+ threads, on Linux")
+
+WORKERS = torch.get_num_threads() - 1  # a thread's pool: the thread itself and this many workers
+
+
+def os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def parallel_region() -> None:
+    """One op large enough for torch to run it on all its threads."""
+    big = torch.ones(1 << 22)
+    torch.add(big, big)
+
+
+def on_new_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+def test_release_workers_frees_the_calling_threads_workers():
+    def run():
+        parallel_region()
+        with_workers = os_threads()
+        released = openmp.release_workers()
+        return with_workers, os_threads(), released
+
+    with_workers, after, released = on_new_thread(run)
+    assert released >= 1
+    assert after == with_workers - WORKERS
+
+
+def test_release_workers_is_harmless_and_torch_recreates_them():
+    def run():
+        openmp.release_workers()  # nothing to release yet
+        before = os_threads()
+        parallel_region()
+        with_workers = os_threads()
+        openmp.release_workers()
+        parallel_region()  # works again, on fresh workers
+        return before, with_workers, os_threads()
+
+    before, with_workers, again = on_new_thread(run)
+    assert with_workers == before + WORKERS and again == with_workers
+
+
+def test_engine_frees_workers_at_start_and_when_idle():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(config).eval()  # large enough that its forwards run parallel regions
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=16), controller=False)
+    parallel_region()
+    openmp.release_workers()
+    parallel_region()  # this thread now holds workers, as after loading a model
+    holding = os_threads()
+    try:
+        engine.start()
+        started = os_threads()
+        assert started == holding - WORKERS + 1  # this thread's workers freed; the engine's thread
+        prompt = torch.randint(3, 4096, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+        assert len(engine.submit(prompt, max_new_tokens=4, eos_token_id=[-1]).result(timeout=60)) == 4
+        deadline = time.monotonic() + 5
+        while os_threads() != started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert os_threads() == started  # idle again: its own workers freed
+    finally:
+        engine.stop()
+        hf_paged_kv.disable(model)
