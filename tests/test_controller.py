@@ -13,8 +13,6 @@ import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded
 from hf_paged_kv.engine import SLO, Limits, Thresholds
 from hf_paged_kv.engine.controller import Controller, Knob
-from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.engine.signals import Signals
 
 CALM = dict(kv_usage=0.2, queue_depth=0)
@@ -178,30 +176,4 @@ def test_engine_under_a_burst_sheds_the_lowest_priority_and_recovers():
     assert engine.load.controller.state == "normal" and engine.load.controller.shed_below == float("-inf")
     assert stats["requests_finished"] + stats["requests_rejected"] == 40
     assert_pool_clean(engine.pool)
-    hf_paged_kv.disable(model)
-
-
-def test_admission_takes_requests_that_can_still_meet_the_ttft_target_first():
-    def request(arrived, priority=0, streamed=False):
-        r = Request([5, 6, 7], SamplingParams(), priority=priority, arrived=arrived)
-        r.first_token = arrived + 0.1 if streamed else None  # a preempted request has streamed tokens
-        return r
-
-    late, fresh, preempted, urgent = request(5.0), request(9.5), request(4.0, streamed=True), request(3.0, priority=1)
-    scheduler = Scheduler(KVPool(num_blocks=16, block_size=8), Limits())
-    for r in (late, fresh, preempted, urgent):
-        scheduler.enqueue(r)
-    assert scheduler.admission_order(now=10.0) == [urgent, preempted, late, fresh]  # no target: arrival order
-    scheduler.limits.late_after = 1.0
-    assert scheduler.admission_order(now=10.0) == [urgent, preempted, fresh, late]
-    assert scheduler.admission_order(now=12.0) == [urgent, preempted, late, fresh]  # all late: arrival again
-    assert scheduler.waiting == [urgent, preempted, late, fresh]  # the queue itself is not reordered
-
-
-def test_the_controller_sets_the_lateness_rule_from_the_slo():
-    model = make_model("llama", seed=1)
-    on = Engine(model, pool=KVPool(num_blocks=16, block_size=8), slo=SLO(ttft=0.3, per_token=0.1))
-    assert on.limits.late_after == 0.3
-    off = Engine(model, controller=False, slo=SLO(ttft=0.3, per_token=0.1))
-    assert off.limits.late_after is None
     hf_paged_kv.disable(model)

@@ -38,7 +38,7 @@ class Admission:
         admitted = []
         if model is not None:
             self.model = model
-        for request in self.scheduler.admission_order(time.monotonic()):
+        for request in list(self.scheduler.waiting):
             if not self.scheduler.room_for_more(budget):
                 break
             if self._waits_for_inflight(request):

@@ -15,9 +15,7 @@ flaps:
   overload lasts.
 
 Independently of the state, the batch token budget shrinks when the per-token latency breaks
-its target and grows back while there is a queue and headroom, and admission takes requests
-that can still meet the time-to-first-token target before those already past it
-(`Scheduler.admission_order`). Every knob is bounded, every
+its target and grows back while there is a queue and headroom. Every knob is bounded, every
 change is logged and counted (`controller_actions_total{knob=...}`), and the current values
 are in `engine.stats()` and the metrics.
 

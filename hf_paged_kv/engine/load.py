@@ -25,7 +25,6 @@ class LoadControl:
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         if self.controller is not None:
-            engine.limits.late_after = slo.ttft  # admission serves requests that can still meet it first
             for name, knob in self.controller.knobs.items():
                 engine.metrics.knobs.labels(name).set(knob.value)
             engine.metrics.controller_state.labels("normal").set(1)

@@ -38,7 +38,6 @@ class Limits:
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted
-    late_after: float | None = None  # with a TTFT target (the controller sets it): see Scheduler.admission_order
 
 
 class Scheduler:
@@ -65,19 +64,6 @@ class Scheduler:
 
     def forget_inflight(self, request: Request) -> None:
         self.inflight = {d: r for d, r in self.inflight.items() if r is not request}
-
-    def admission_order(self, now: float) -> list[Request]:
-        """The waiting requests in the order admission tries them: by priority, then arrival. With
-        `limits.late_after` set, requests still waiting for their first token after that many
-        seconds go behind those of their priority that can still meet it: they have missed the
-        target whatever happens next, and serving them first would make the newer ones late too
-        (after a burst, lateness would cascade down the queue). They are served as soon as no
-        request that can still make it is waiting; shedding is the controller's job."""
-        late_after = self.limits.late_after
-        if late_after is None:
-            return list(self.waiting)
-        late = {r: r.first_token is None and now - r.arrived > late_after for r in self.waiting}
-        return sorted(self.waiting, key=lambda r: (-r.effective_priority, late[r], r.arrived))
 
     # ----------------------------------------------------------- choosing
     def continuing(self, budget: int) -> list[tuple[Request, int]]:
