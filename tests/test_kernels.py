@@ -329,3 +329,27 @@ def test_torch_backend_packed_forward_matches_reference(window, softcap, gather_
         expected = reference.paged_attention(query[:, :, lo : lo + c], key_cache, value_cache, tables[s : s + 1],
                                              torch.tensor([n]), q_pos, 0.25, window, softcap)
         torch.testing.assert_close(got[:, :, lo : lo + c], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_cpu_decode_attention_reads_each_kv_head_once_and_pairs_heads_as_gqa(dtype, masked):
+    """A decode step on the CPU attends with each KV head's query heads as its queries. Checked
+    against explicit softmax attention over expanded heads (query head h with KV head h // groups),
+    keys read as the pool's head-interleaved view, rows of different lengths under a mask, a row
+    that sees nothing giving zeros."""
+    gen = torch.Generator().manual_seed(11)
+    batch, kv_heads, groups, length, dim = 3, 3, 4, 40, 64
+    pool = torch.randn(2, batch * length, kv_heads, dim, generator=gen).to(dtype)
+    keys, values = (cache.view(batch, length, kv_heads, dim).transpose(1, 2) for cache in pool)
+    query = torch.randn(batch, kv_heads * groups, 1, dim, generator=gen).to(dtype)
+    mask = None
+    if masked:
+        mask = (torch.arange(length)[None] < torch.tensor([length, 17, 0])[:, None])[:, None, None]
+    got = reference.sdpa(query, keys, values, mask, 0.125)
+    eager_mask = torch.ones(batch, 1, 1, length, dtype=torch.bool) if mask is None else mask
+    expected, _ = reference.eager_attention(query.float(), keys.float(), values.float(), eager_mask, 0.125)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    if masked:
+        assert (got[2] == 0).all()
