@@ -82,8 +82,8 @@ def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
     is about 3x faster than expanding the KV heads); expanded heads for a mask on an accelerator,
     where native GQA falls back to the slow math kernel. Queries that see no key get zeros.
 
-    A decode step on the CPU (one query per row) attends with each KV head's query heads as
-    that head's queries, so every key is read once rather than once per query head."""
+    An fp32 decode step on the CPU (one query per row) attends with each KV head's query heads
+    as that head's queries, so every key is read once rather than once per query head."""
     groups = query.shape[1] // keys.shape[1]
     if groups > 1 and _decode_on_cpu(query, mask, is_causal):
         return _grouped_decode(query, keys, values, mask, scale, groups)
@@ -99,8 +99,12 @@ def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
 
 
 def _decode_on_cpu(query, mask, is_causal: bool) -> bool:
-    """One query per row, on the CPU, with a mask (if any) the same for every head."""
-    return (query.device.type == "cpu" and query.shape[2] == 1 and not is_causal
+    """One fp32 query per row, on the CPU, with a mask (if any) the same for every head. Not
+    in 16-bit: CPU SDPA with several query positions rounds differently from its one-query
+    kernel, and across 30 layers that moved SmolLM2's bf16 logits by up to 0.75 (the greedy token
+    changed at 5-50% of the decode steps of bench_decode, against none with native GQA)."""
+    one_query = query.shape[2] == 1 and not is_causal
+    return (query.device.type == "cpu" and query.dtype == torch.float32 and one_query
             and (mask is None or (mask.dim() == 4 and mask.shape[1] == 1 and mask.shape[2] == 1)))
 
 
@@ -110,7 +114,7 @@ def _grouped_decode(query, keys, values, mask, scale, groups: int) -> torch.Tens
     group's heads are independent queries of one head. CPU SDPA parallelises over heads, each
     reading its KV head's keys; native GQA reads them once per query head. Measured on
     SmolLM2's layers (3 KV heads, groups of 3), keys in the pool's head-interleaved layout,
-    2 cores, 30 layers at 8k keys: fp32 60.6 -> 43.5 ms, bf16 36.8 -> 33.0 ms per step."""
+    2 cores, 30 layers at 8k keys: fp32 60.6 -> 43.5 ms per step."""
     batch, heads, _, dim = query.shape
     grouped = query.reshape(batch, heads // groups, groups, dim)
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)

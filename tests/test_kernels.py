@@ -333,23 +333,31 @@ def test_torch_backend_packed_forward_matches_reference(window, softcap, gather_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
-def test_cpu_decode_attention_reads_each_kv_head_once_and_pairs_heads_as_gqa(dtype, masked):
-    """A decode step on the CPU attends with each KV head's query heads as its queries. Checked
-    against explicit softmax attention over expanded heads (query head h with KV head h // groups),
-    keys read as the pool's head-interleaved view, rows of different lengths under a mask, a row
-    that sees nothing giving zeros."""
-    gen = torch.Generator().manual_seed(11)
-    batch, kv_heads, groups, length, dim = 3, 3, 4, 40, 64
-    pool = torch.randn(2, batch * length, kv_heads, dim, generator=gen).to(dtype)
+def test_cpu_decode_attention_pairs_query_heads_with_their_kv_heads(dtype, masked):
+    """A decode step on the CPU: in fp32 each KV head's query heads attend as its queries
+    (every key read once), checked against explicit softmax attention over expanded heads
+    (query head h with KV head h // groups); in bf16 it stays SDPA's native GQA exactly (the
+    grouped form rounds differently). Keys are the pool's head-interleaved view with a large
+    first key (a sink, as real models have), rows of different lengths under a mask, a row that
+    sees nothing gives zeros."""
+    gen = torch.Generator().manual_seed(7)  # data on which the grouped form's bf16 rounding differs
+    batch, kv_heads, groups, length, dim = 3, 3, 4, 600, 64
+    pool = torch.randn(2, batch, length, kv_heads, dim, generator=gen)
+    pool[0, :, 0] *= 8
+    pool = pool.to(dtype).view(2, batch * length, kv_heads, dim)
     keys, values = (cache.view(batch, length, kv_heads, dim).transpose(1, 2) for cache in pool)
     query = torch.randn(batch, kv_heads * groups, 1, dim, generator=gen).to(dtype)
     mask = None
     if masked:
-        mask = (torch.arange(length)[None] < torch.tensor([length, 17, 0])[:, None])[:, None, None]
+        mask = (torch.arange(length)[None] < torch.tensor([length, 170, 0])[:, None])[:, None, None]
     got = reference.sdpa(query, keys, values, mask, 0.125)
     eager_mask = torch.ones(batch, 1, 1, length, dtype=torch.bool) if mask is None else mask
     expected, _ = reference.eager_attention(query.float(), keys.float(), values.float(), eager_mask, 0.125)
     tol = TOLERANCE[dtype]
     torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+    if dtype != torch.float32:
+        native = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.125,
+                                                                  enable_gqa=True)
+        assert torch.equal(got, native)
     if masked:
         assert (got[2] == 0).all()
