@@ -344,8 +344,7 @@ def test_cpu_decode_attention_pairs_query_heads_with_their_kv_heads(dtype, maske
     batch, kv_heads, groups, length, dim = 3, 3, 4, 600, 64
     pool = torch.randn(2, batch, length, kv_heads, dim, generator=gen)
     pool[0, :, 0] *= 8
-    pool = pool.to(dtype).view(2, batch * length, kv_heads, dim)
-    keys, values = (cache.view(batch, length, kv_heads, dim).transpose(1, 2) for cache in pool)
+    keys, values = (cache.transpose(1, 2) for cache in pool.to(dtype))  # [batch, kv_heads, length, dim] views
     query = torch.randn(batch, kv_heads * groups, 1, dim, generator=gen).to(dtype)
     mask = None
     if masked:
