@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +12,7 @@ from hypothesis import strategies as st
 
 from hf_paged_kv import KVPool, PagedKVError, PoolExhaustedError
 from hf_paged_kv.allocator import BlockAllocator
-from hf_paged_kv.pool import LayerSpec
+from hf_paged_kv.pool import HUGE_PAGE, LayerSpec, block_tensors
 from hf_paged_kv.sizing import DEFAULT_CPU_BYTES
 
 CPU = torch.device("cpu")
@@ -57,6 +60,42 @@ def test_rebinding_to_other_shapes_is_refused():
     pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)  # same shapes: fine
     with pytest.raises(PagedKVError, match="already bound"):
         pool.bind([LayerSpec(4, 8, CPU)], torch.float32)
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping holding `address` with transparent huge pages."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "THPeligible:":
+            return fields[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_cpu_blocks_lie_in_one_huge_page_region_zeroed_and_apart():
+    """The CPU block tensors of a pool share one region that starts on a 2 MiB boundary and is
+    advised for transparent huge pages (decode reads keys at the pool's token stride); each
+    starts zeroed and none overlaps another. Tensors on other devices are allocated there."""
+    shape = (64, 16, 3, 64)  # 768 KiB each in fp32: 3 MiB together
+    tensors = block_tensors([(shape, CPU)] * 4 + [((2, 4, 3, 64), torch.device("meta"))], torch.float32)
+    cpu, other = tensors[:4], tensors[4]
+    assert other.device.type == "meta" and other.shape == (2, 4, 3, 64)
+    for i, tensor in enumerate(cpu):
+        assert tensor.shape == shape and tensor.dtype == torch.float32 and tensor.is_contiguous()
+        assert not tensor.any()
+        tensor.fill_(i + 1)
+    assert [tensor.unique().tolist() for tensor in cpu] == [[1.0], [2.0], [3.0], [4.0]]
+    addresses = [tensor.data_ptr() for tensor in cpu]
+    if sys.platform != "linux":
+        return
+    assert addresses[0] % HUGE_PAGE == 0
+    assert [b - a for a, b in zip(addresses, addresses[1:])] == [cpu[0].nbytes] * 3
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists() and "[never]" not in thp.read_text():
+        assert _thp_eligible(addresses[0]) and _thp_eligible(addresses[-1] + cpu[-1].nbytes - 1)
 
 
 def test_copy_block_copies_every_layer():

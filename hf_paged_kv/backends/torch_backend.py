@@ -103,8 +103,8 @@ class TorchBackend:
         stride = self._row_stride(plan)
         if stride is not None:
             shape, strides, offset = self._strided_view(plan, stride, window, keys)
-            seq_keys = keys.as_strided(shape, strides, offset).transpose(1, 2)
-            seq_values = values.as_strided(shape, strides, offset).transpose(1, 2)
+            seq_keys = keys.as_strided(shape, strides, keys.storage_offset() + offset).transpose(1, 2)
+            seq_values = values.as_strided(shape, strides, values.storage_offset() + offset).transpose(1, 2)
             if seq_keys.dtype != query.dtype:
                 seq_keys, seq_values = seq_keys.to(query.dtype), seq_values.to(query.dtype)
             return reference.sdpa(query, seq_keys, seq_values, None, scale)
@@ -131,16 +131,17 @@ class TorchBackend:
 
     @staticmethod
     def _strided_view(plan, stride: int, window, cache: torch.Tensor) -> tuple:
-        """`(shape, strides, storage offset)` of `[rows, length, kv_heads, dim]`: every row's
-        stored tokens (the last `window` of them with a sliding window) as one view of a
-        layer's pool tensor, no copy; the same for every layer of the forward."""
-        key = ("torch-strided", window)
+        """`(shape, strides, offset in the tensor)` of `[rows, length, kv_heads, dim]`: every
+        row's stored tokens (the last `window` of them with a sliding window) as one view of a
+        layer's pool tensor, no copy; the same for every layer of the forward with these head
+        shapes (the caller adds the tensor's own offset in the storage the pool's tensors share)."""
+        heads, dim = cache.shape[-2:]
+        key = ("torch-strided", window, heads, dim)
         if key not in plan.memo:
-            heads, dim = cache.shape[-2:]
             length = int(plan.kv_lens[0])
             first = 0 if window is None else max(0, length - window)
             block = plan.block_size * heads * dim
-            offset = cache.storage_offset() + int(plan.contiguous[0]) * block + first * heads * dim
+            offset = int(plan.contiguous[0]) * block + first * heads * dim
             shape = (len(plan.kv_lens), length - first, heads, dim)
             plan.memo[key] = shape, (stride * block, heads * dim, dim, 1), offset
         return plan.memo[key]
