@@ -34,12 +34,17 @@ class Admission:
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, counters: dict, metrics) -> list[tuple[Request, int]]:
-        """Admit waiting requests (priority order) while the memory rule and the budget allow."""
-        admitted = []
+        """Admit waiting requests in turn (`_in_turn`) while the memory rule and the budget
+        allow. When memory turns one away, later requests of its priority that fit may pass it
+        while it has waited less than `Limits.backfill_wait` (a burst's short prompts need not
+        queue behind a long one); after that, and by a lower priority, it is never passed."""
+        admitted, blocked = [], None
         if model is not None:
             self.model = model
-        for request in list(self.scheduler.waiting):
+        for request in self._in_turn():
             if not self.scheduler.room_for_more(budget):
+                break
+            if blocked is not None and request.effective_priority < blocked.effective_priority:
                 break
             if self._waits_for_inflight(request):
                 continue  # another request is computing its prefix: inherit it next step
@@ -48,7 +53,10 @@ class Admission:
                 continue
             count = self._try(request, budget)
             if count is None:
-                break  # memory: no one of lower priority overtakes it
+                blocked = blocked or request
+                if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
+                    break
+                continue
             self.scheduler.waiting.remove(request)
             self.scheduler.running.append(request)
             request.admitted = time.monotonic()
@@ -59,6 +67,26 @@ class Admission:
             admitted.append((request, count))
             budget -= count
         return admitted
+
+    def _in_turn(self) -> list[Request]:
+        """The waiting requests by priority, then by when their prompt would be in had it started
+        at arrival (arrival + uncached tokens x recent seconds per token): within a burst the
+        short prompts first, while a long prompt is passed only by requests that arrived less
+        than its own compute time after it."""
+        per_token = self.seconds_per_token()
+        if per_token == 0.0 or len(self.scheduler.waiting) < 2:
+            return list(self.scheduler.waiting)
+        return sorted(self.scheduler.waiting, key=lambda r: (-r.effective_priority,
+                                                             r.arrived + self._uncached(r) * per_token))
+
+    def _uncached(self, request: Request) -> int:
+        """Tokens of the request not in cached blocks of the device pool (a lookup, no claim)."""
+        index, now, hit = self.pool.reuse.index, self.pool.policy.now(), 0
+        for digest in self._chain(request):
+            if index.lookup(digest, now) is None:
+                break
+            hit += 1
+        return len(request.tokens()) - hit * self.pool.block_size
 
     def _never_fits(self, request: Request) -> bool:
         """Whether the request's tokens need more blocks than the pool has without its pins."""
@@ -92,7 +120,7 @@ class Admission:
 
     # ---------------------------------------------------------- prefetch
     def prefetch(self, depth: int, watermark: float) -> int:
-        """Bring the first `depth` waiting requests' prefixes back from the host or disk tier
+        """Bring the next `depth` waiting requests' prefixes back from the host or disk tier
         before their turn, only into free blocks above `watermark` (a fraction of the pool), so
         prefetching never evicts anything. The blocks stay cached, unreferenced; returns the
         tokens brought back."""
@@ -104,7 +132,7 @@ class Admission:
             return self.pool.promote(digest, self.model, after) if self.pool.num_free() > keep_free else None
 
         brought = 0
-        for request in self.scheduler.waiting[:depth]:
+        for request in self._in_turn()[:depth]:
             with self.pool.locked():
                 brought += self.pool.reuse.bring_back(self.model, request.tenant, np.asarray(request.tokens()),
                                                       promote)

@@ -5,8 +5,10 @@ next chunk of the prefills in progress, then new requests. A new request is admi
 the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
 sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
 which decays while memory holds and is reset by a preemption (SGLang's rule) – and never in a
-step that preempted. A request whose prompt continues a prefix that a running prefill is about
-to compute waits for those blocks and inherits them instead of computing them twice.
+step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
+first with aging (see `Admission`). A request whose prompt continues a prefix that a running
+prefill is about to compute waits for those blocks and inherits them instead of computing them
+twice.
 
 When a running sequence needs a block and the pool has none to give, the scheduler preempts a
 victim – lowest priority first, then the cheapest to resume – instead of failing: its full
@@ -32,6 +34,7 @@ class Limits:
     max_batch_tokens: int = 512
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
+    backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks

@@ -1,0 +1,98 @@
+"""The engine's admission order: a burst's short prompts first, a long prompt keeps its turn
+against later arrivals, and memory lets a request's equals pass it only for a while."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hf_paged_kv import KVPool
+from hf_paged_kv.engine.admission import Admission
+from hf_paged_kv.engine.metrics import EngineMetrics
+from hf_paged_kv.engine.request import Request, SamplingParams
+from hf_paged_kv.engine.scheduler import Limits, Scheduler
+from hf_paged_kv.pool import LayerSpec
+from hf_paged_kv.sequence import Sequence
+
+MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
+
+
+def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001):
+    pool = KVPool(num_blocks=num_blocks, block_size=block_size)
+    pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
+    scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait))
+    admit = Admission(pool, scheduler)
+    admit.record_step(100, 100 * seconds_per_token)  # the recent cost of a token
+    return admit
+
+
+def queue(admit: Admission, length: int, arrived: float, priority: int = 0, first: int = 3) -> Request:
+    request = Request(list(range(first, first + length)), SamplingParams(max_new_tokens=4), priority=priority)
+    request.arrived = arrived
+    admit.scheduler.enqueue(request)
+    return request
+
+
+def admitted(admit: Admission, budget: int = 10_000) -> list[Request]:
+    return [request for request, _ in admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics())]
+
+
+def test_a_burst_is_admitted_shortest_prompt_first():
+    admit, now = admission(), time.monotonic()
+    long, short, middle = (queue(admit, n, now, first=100 * i) for i, n in enumerate((120, 10, 50)))
+    assert admitted(admit) == [short, middle, long]
+
+
+def test_a_long_prompt_keeps_its_turn_against_requests_arriving_after_its_compute_time():
+    admit, now = admission(seconds_per_token=0.001), time.monotonic()
+    long = queue(admit, 120, now - 0.5)  # 0.12 s of compute, arrived 0.5 s before the short one
+    short = queue(admit, 10, now, first=500)
+    assert admitted(admit) == [long, short]
+
+
+def test_cached_tokens_do_not_count_as_work():
+    admit, now = admission(), time.monotonic()
+    cached = list(range(3, 83))  # 80 tokens in 20 cached blocks, as an earlier request leaves them
+    blocks = admit.pool.allocate(20)
+    admit.pool.reuse.index_sequence(MODEL, "default", Sequence(blocks=blocks, length=80, tokens=cached,
+                                                               history=bytearray(b"\x01" * 80)), 0)
+    admit.pool.decref(blocks)
+    fresh = queue(admit, 40, now, first=900)
+    follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 88 tokens, 8 of them to compute
+    follow_up.arrived = now
+    admit.scheduler.enqueue(follow_up)
+    assert admitted(admit) == [follow_up, fresh]
+    assert follow_up.inherited == 80
+
+
+def hold(admit: Admission, blocks: int) -> None:
+    """Occupy `blocks` of the pool, as running sequences would."""
+    admit.pool.allocate(blocks)
+
+
+def test_memory_lets_requests_of_the_same_priority_pass_a_blocked_one_while_it_is_young():
+    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(admit, 10)
+    big = queue(admit, 30, now - 0.2)  # 8 blocks: does not fit beside the 10 held
+    small = queue(admit, 6, now, first=500)  # 2 blocks: fits
+    assert admitted(admit) == [small]
+    assert admit.scheduler.waiting == [big]
+
+
+def test_a_request_blocked_longer_than_backfill_wait_is_passed_by_no_one():
+    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(admit, 10)
+    big = queue(admit, 30, now - 1.5)
+    small = queue(admit, 6, now, first=500)
+    assert admitted(admit) == []
+    assert admit.scheduler.waiting == [big, small]
+
+
+def test_a_lower_priority_never_passes_a_blocked_request():
+    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(admit, 10)
+    big = queue(admit, 30, now - 0.2, priority=1)
+    small = queue(admit, 6, now, priority=0, first=500)
+    assert admitted(admit) == []
+    assert admit.scheduler.waiting == [big, small]
