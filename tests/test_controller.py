@@ -67,6 +67,16 @@ def test_pressure_is_entered_and_left_with_hysteresis_and_dwell():
     assert controller.state == "normal" and applied[-1] == ("watermark", 0.0)  # the actuator came back
 
 
+def test_late_first_tokens_with_memory_to_spare_are_not_pressure():
+    """Pressure's moves admit fewer requests and recompute more: they would lengthen a queue
+    that compute caused, so late first tokens alone leave the knobs where they are."""
+    clock, signals, controller, applied, _ = setup()
+    run(clock, signals, controller, CALM, 12, events=[("ttft", 3.0)])
+    assert controller.state == "normal" and ("watermark", 0.05) not in applied
+    run(clock, signals, controller, CALM, 8, events=[("ttft", 3.0), ("preemption", 1.0)])
+    assert controller.state == "pressure"
+
+
 def test_a_brief_spike_inside_the_dwell_changes_nothing():
     clock, signals, controller, _, actions = setup()
     run(clock, signals, controller, FULL, 8)
