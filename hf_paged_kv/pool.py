@@ -304,10 +304,11 @@ def block_tensors(layout: list[tuple[tuple, torch.device]], dtype: torch.dtype) 
     head's keys at the pool's token stride (`kv_heads * head_dim` elements), across `kv_heads`
     times the pages of head-major keys, and with 4 KiB pages the TLB misses cost more than the
     reads. SmolLM2 decode on 2 cores, time per step with the pool in huge pages against the
-    same pool in `torch.zeros` tensors (one process, 12 alternated blocks of 8 steps): batch 1
-    at 8192 keys bf16 67.0 / 88.8 ms, fp32 0.65x; batch 1 at 2048 bf16 51.5 / 57.0 ms; 8 rows
-    of 2048 fp32 0.70x. The memory is written here, so the pool's size is committed at bind,
-    as with `torch.zeros`."""
+    same pool in `torch.zeros` tensors (one process holding three models, 12 alternated blocks
+    of 8 steps): batch 1 at 8192 keys bf16 67.0 / 88.8 ms, fp32 0.65x; batch 1 at 2048 bf16
+    51.5 / 57.0 ms; 8 rows of 2048 fp32 0.70x. bench_decode, which holds two models, moved less:
+    bf16 8192 x 1 from 1.02x-1.06x of DynamicCache to 0.95x, fp32 8192 x 1 from 0.74x to 0.72x.
+    The memory is written here, so the pool's size is committed at bind, as with `torch.zeros`."""
     sizes = [math.prod(shape) * dtype.itemsize for shape, _ in layout]
     on_cpu = [torch.device(device).type == "cpu" for _, device in layout]
     total = sum(size for size, cpu in zip(sizes, on_cpu) if cpu)
