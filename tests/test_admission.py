@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from hf_paged_kv import KVPool
@@ -13,6 +14,7 @@ from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits, Scheduler
 from hf_paged_kv.pool import LayerSpec
+from hf_paged_kv.reuse.prefix_index import PUBLIC_TENANT
 from hf_paged_kv.sequence import Sequence
 
 MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
@@ -51,12 +53,13 @@ def test_a_long_prompt_keeps_its_turn_against_requests_arriving_after_its_comput
     assert admitted(admit) == [long, short]
 
 
-def test_cached_tokens_do_not_count_as_work():
+@pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all
+def test_cached_tokens_do_not_count_as_work(owner):
     admit, now = admission(), time.monotonic()
     cached = list(range(3, 83))  # 80 tokens in 20 cached blocks, as an earlier request leaves them
     blocks = admit.pool.allocate(20)
-    admit.pool.reuse.index_sequence(MODEL, "default", Sequence(blocks=blocks, length=80, tokens=cached,
-                                                               history=bytearray(b"\x01" * 80)), 0)
+    admit.pool.reuse.index_sequence(MODEL, owner, Sequence(blocks=blocks, length=80, tokens=cached,
+                                                           history=bytearray(b"\x01" * 80)), 0)
     admit.pool.decref(blocks)
     fresh = queue(admit, 40, now, first=900)
     follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 88 tokens, 8 of them to compute

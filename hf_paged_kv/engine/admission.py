@@ -29,7 +29,7 @@ class Admission:
         self.recent: deque = deque(maxlen=32)  # (tokens, seconds) of recent steps
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.copy_seconds_per_block = 0.0
-        self.chains: dict[int, tuple[tuple, list[bytes]]] = {}  # request id -> (what it hashed, its digests)
+        self.digests: dict[int, tuple[tuple, list]] = {}  # request id -> (what it hashed, its digest pairs)
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
         self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
 
@@ -42,7 +42,7 @@ class Admission:
         admitted, blocked = [], None
         if model is not None:
             self.model = model
-        self.chains = {r.id: self.chains[r.id] for r in self.scheduler.waiting if r.id in self.chains}
+        self.digests = {r.id: self.digests[r.id] for r in self.scheduler.waiting if r.id in self.digests}
         for request in self._in_turn():
             if not self.scheduler.room_for_more(budget):
                 break
@@ -82,13 +82,12 @@ class Admission:
                                                              r.arrived + self._uncached(r) * per_token))
 
     def _uncached(self, request: Request) -> int:
-        """Tokens of the request not in cached blocks of the device pool (a lookup, no claim)."""
-        index, now, hit = self.pool.reuse.index, self.pool.policy.now(), 0
-        for digest in self._chain(request):
-            if index.lookup(digest, now) is None:
-                break
-            hit += 1
-        return len(request.tokens()) - hit * self.pool.block_size
+        """Tokens of the request not in cached blocks of the device pool, its own or published
+        (a probe: nothing is claimed)."""
+        tokens = request.tokens()
+        cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None,
+                                       self._digest_pairs(request))
+        return len(tokens) - cached["device"]
 
     def _never_fits(self, request: Request) -> bool:
         """Whether the request's tokens need more blocks than the pool has without its pins."""
@@ -141,17 +140,23 @@ class Admission:
         return brought
 
     # ---------------------------------------------------- shared prefixes
-    def _chain(self, request: Request) -> list[bytes]:
-        """Digests of the request's full blocks before its last token, hashed once per request
-        and length (every step orders the whole queue: about 90 us for a 1000-token prompt)."""
+    def _digest_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
+        """The digests of the request's full blocks, its tenant's and the published ones, hashed
+        once per request and length (every step orders the whole queue: hashing a 1000-token
+        prompt takes about 90 us)."""
         tokens = request.tokens()
         key = (len(tokens), self.model, request.tenant)
-        cached = self.chains.get(request.id)
-        if cached is None or cached[0] != key:
-            index = self.pool.reuse.index
-            cut = (len(tokens) - 1) // self.pool.block_size * self.pool.block_size
-            cached = self.chains[request.id] = key, index.chain(index.root(self.model, request.tenant), tokens[:cut])
-        return cached[1]
+        kept = self.digests.get(request.id)
+        if kept is None or kept[0] != key:
+            pairs = self.pool.reuse.index.digest_pairs(self.model, request.tenant, tokens,
+                                                       len(tokens) // self.pool.block_size)
+            kept = self.digests[request.id] = key, pairs
+        return kept[1]
+
+    def _chain(self, request: Request) -> list[bytes]:
+        """The tenant's digests of the request's full blocks before its last token."""
+        pairs = self._digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
+        return [own for own, _ in pairs]
 
     def _waits_for_inflight(self, request: Request) -> bool:
         return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self._chain(request))

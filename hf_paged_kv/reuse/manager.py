@@ -87,11 +87,15 @@ class ReuseManager:
         self.index.touch(found, now)
         return found
 
-    def probe(self, model: str, tenant: str, tokens, lower_tier: Callable[[bytes], str | None]) -> dict[str, int]:
+    def probe(self, model: str, tenant: str, tokens, lower_tier: Callable[[bytes], str | None],
+              pairs: list[tuple[bytes, bytes]] | None = None) -> dict[str, int]:
         """Tokens of the longest cached prefix of `tokens` (whole blocks), by the tier each block
-        is in now; nothing is referenced, touched or moved."""
+        is in now; nothing is referenced, touched or moved. `pairs`: the blocks' digests from
+        `PrefixIndex.digest_pairs`, when the caller keeps them."""
         now, found = self.policy.now(), dict.fromkeys(("device", "host", "disk"), 0)
-        for mine, published in self.index.digest_pairs(model, tenant, tokens, len(tokens) // self.block_size):
+        if pairs is None:
+            pairs = self.index.digest_pairs(model, tenant, tokens, len(tokens) // self.block_size)
+        for mine, published in pairs:
             if self.index.lookup(mine, now) is not None or self.index.lookup(published, now) is not None:
                 tier = "device"
             else:
