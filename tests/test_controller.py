@@ -116,11 +116,29 @@ def test_long_past_waits_with_a_drained_queue_shed_nothing():
 
 def test_batch_budget_shrinks_on_slow_tokens_and_grows_back_with_a_queue():
     clock, signals, controller, applied, _ = setup()
-    run(clock, signals, controller, CALM, 4, events=[("token_latency", 0.5)])
+    run(clock, signals, controller, CALM, 4, events=[("per_token", 0.5)])
     shrunk = controller.knobs["max_batch_tokens"].value
     assert 64 <= shrunk < 256
-    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 20, events=[("token_latency", 0.01)])
+    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 20, events=[("per_token", 0.01)])
     assert controller.knobs["max_batch_tokens"].value > shrunk and controller.knobs["max_batch_tokens"].value <= 512
+
+
+def test_per_token_signal_is_each_finished_requests_mean_gap():
+    """The batch-budget rule reads per-token latency as the target counts it: one value per
+    finished request, its mean time between tokens (a single gap stretched by a prefill chunk
+    is not a request over its target)."""
+    model = make_model("llama", seed=3)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), limits=Limits(max_batch_tokens=32))
+    with engine:
+        handles = [engine.submit(list(range(3 + i, 40 + i)), max_new_tokens=6 + i) for i in range(3)]
+        for handle in handles:
+            handle.result(timeout=60)
+        per_request = [(h.request.last_token - h.request.first_token) / (len(h.request.generated) - 1)
+                       for h in handles]
+        reading = engine.load.signals.read()["short"]
+    assert reading["per_token_rate"] * engine.load.signals.windows["short"] == pytest.approx(3)
+    assert reading["per_token_mean"] == pytest.approx(sum(per_request) / 3)
+    hf_paged_kv.disable(model)
 
 
 def test_every_engine_actuator_moves_under_pressure_and_comes_back():

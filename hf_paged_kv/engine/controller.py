@@ -15,8 +15,9 @@ flaps:
   turned away with an honest `retry_after` – raising the shed level one priority at a time while
   overload lasts.
 
-Independently of the state, the batch token budget shrinks when the per-token latency breaks
-its target and grows back while there is a queue and headroom. Every knob is bounded, every
+Independently of the state, the batch token budget shrinks when the per-token latency of
+finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
+the target, and grows back while there is a queue and headroom. Every knob is bounded, every
 change is logged and counted (`controller_actions_total{knob=...}`), and the current values
 are in `engine.stats()` and the metrics.
 
@@ -145,9 +146,9 @@ class Controller:
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
-        if short["token_latency_p95"] > self.slo.per_token:
+        if short["per_token_p95"] > self.slo.per_token:
             value = knob.value * 0.75
-        elif short["queue_depth"] >= 1 and short["token_latency_p95"] < 0.7 * self.slo.per_token:
+        elif short["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token:
             value = knob.value * 1.25
         else:
             return

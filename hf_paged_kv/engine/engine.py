@@ -226,7 +226,6 @@ class Engine:
             self.load.signals.record("ttft", now - request.arrived, now)
         else:
             self.metrics.itl.observe(now - request.last_token)
-            self.load.signals.record("token_latency", now - request.last_token, now)
         request.last_token = now
         if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
             self._end(request, "finished")
