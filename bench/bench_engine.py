@@ -36,7 +36,9 @@ request: (last - first token) / (tokens - 1)), max and mean concurrent sequences
 requests, and whether every request's tokens equal per-request greedy `generate`. Also the
 compute floor (the model alone on the unique prompt tokens and the output tokens in full packed
 forwards of `max_batch_tokens`, measured in the same run) with the engine's time relative to it,
-and the engine's concurrency against a static reservation of prompt + max_new_tokens per request.
+split into the cost of its schedule (the model alone replaying the engine's forwards) and the
+engine's own cost, and the engine's concurrency against a static reservation of prompt +
+max_new_tokens per request.
 
 The engine's tokens must equal per-request `generate` and none of its requests may fail, or the
 script exits 1 and writes nothing; the other systems' mismatches are reported, not hidden.
@@ -300,6 +302,8 @@ def summarize(run: Run, reference: list[list[int]] | None) -> dict:
         max_running=run.max_running if run.max_running is not None else max(running, default=0),
         mean_running=float(np.mean(running)) if running else 0.0,
         preemptions=run.preemptions, peak_kv=run.peak_kv, busy=run.busy,
+        forwards=len(run.extra["forwards"]) if "forwards" in run.extra else None,
+        model_alone=run.extra.get("model_alone"),
         failed=len(run.outcomes) - len(done), mismatched=mismatched,
     )
 
@@ -446,18 +450,25 @@ def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str 
     limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"])
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=slo, thresholds=thresholds)
     last = max(r.arrival for r in reqs)
-    with engine:
-        t0 = time.monotonic() + 0.05
-        deadline = None if deadline_after is None else t0 + last + deadline_after
-        with Monitor(engine_probe(engine), period) as monitor:
-            outcomes, retries, refusals = drive_engine(engine, reqs, stop, t0, deadline)
+    forwards = []  # (tokens fed, logits kept) of each of the engine's forwards
+    hook = model.register_forward_pre_hook(
+        lambda _, args, kwargs: forwards.append((kwargs["input_ids"].shape[1], kwargs["logits_to_keep"].numel())),
+        with_kwargs=True)
+    try:
+        with engine:
+            t0 = time.monotonic() + 0.05
+            deadline = None if deadline_after is None else t0 + last + deadline_after
+            with Monitor(engine_probe(engine), period) as monitor:
+                outcomes, retries, refusals = drive_engine(engine, reqs, stop, t0, deadline)
+    finally:
+        hook.remove()
     stats = engine.stats()
     run = Run(name, t0, [outcomes[r.index] for r in reqs], monitor.samples, stats["preemptions"],
               stats["blocks_used_high_water"] * stats["bytes_per_block"], stats["max_running"], step_seconds(engine),
               retries, refusals)
     audit = pool.audit()  # raises on inconsistent bookkeeping
     leaked = audit["references"] - audit["references_by_pins"] - audit["references_by_semantic"]
-    run.extra = {"stats": stats, "leaked": leaked, "kv_total": stats["bytes_total"]}
+    run.extra = {"stats": stats, "leaked": leaked, "kv_total": stats["bytes_total"], "forwards": forwards}
     hf_paged_kv.disable(model)
     return run
 
@@ -560,17 +571,22 @@ def compute_floor(model, reqs: list[Req], output_tokens: int, pack: int) -> floa
     packed forwards of `pack` tokens (positions restarting per sequence, logits only for the
     output tokens): no scheduling, no cache writes, no sampling."""
     tokens = unique_prompt_tokens(reqs) + output_tokens
-    forwards = -(-tokens // pack)
+    count = -(-tokens // pack)
+    shapes = [(min(pack, tokens - f * pack),
+               max(1, round(output_tokens * (f + 1) / count) - round(output_tokens * f / count))) for f in range(count)]
+    return model_alone(model, reqs, shapes, max(1, tokens // len(reqs)))
+
+
+def model_alone(model, reqs: list[Req], forwards: list[tuple[int, int]], mean_len: int) -> float:
+    """Seconds the model (never enabled, SDPA over each forward's own tokens, no cache) takes for
+    `forwards`, each `(tokens, logits kept)`, with positions restarting every `mean_len` tokens."""
     source = [t for r in reqs for t in r.prompt]
-    while len(source) < pack:
+    while len(source) < max(n for n, _ in forwards):
         source += source
-    mean_len = max(1, tokens // len(reqs))
     synchronize(model.device)
     started = time.perf_counter()
     with torch.inference_mode():
-        for f in range(forwards):
-            n = min(pack, tokens - f * pack)
-            keep = max(1, round(output_tokens * (f + 1) / forwards) - round(output_tokens * f / forwards))
+        for n, keep in forwards:
             ids = torch.tensor(source[:n], device=model.device)[None]
             positions = (torch.arange(n, device=model.device) % mean_len)[None]
             model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
@@ -680,8 +696,12 @@ def main() -> int:
             first = next(run for rate in rates for run in results[rate][names[0]])
             reference = [o.tokens for o in first.outcomes]
         output_tokens = sum(len(t) for t in reference if t is not None)
-        note(f"run {round_ + 1}/{args.repeats}: compute floor")
+        note(f"run {round_ + 1}/{args.repeats}: compute floor, and the model alone on the engine's forwards")
         floors.append(compute_floor(plain, base, output_tokens, size["batch_tokens"]))
+        mean_len = max(1, (unique_prompt_tokens(base) + output_tokens) // n)
+        for rate in rates:
+            run = results[rate]["engine"][-1]
+            run.extra["model_alone"] = model_alone(plain, base, run.extra["forwards"], mean_len)
 
     checks = Checks()
     checks.expect(all(t is not None for t in reference), "sequential generate failed a request: no reference")
@@ -758,14 +778,27 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
                  "<= 1.3x"])
     rows.append(["engine time in steps / compute floor",
                  *[f"{busy[rate] / floor:.2f}x" if busy[rate] else "-" for rate in rates], ""])
+    alone = {rate: median_of(summaries[rate]["engine"], "model_alone") for rate in rates}
+    packed = -(-(unique_prompt_tokens(base) + output_tokens) // size["batch_tokens"])
+    rows.append(["of which: the model alone on the engine's forwards / compute floor (the schedule)",
+                 *[f"{alone[rate] / floor:.2f}x ({median_of(summaries[rate]['engine'], 'forwards'):.0f} forwards "
+                   f"vs {packed})" if alone[rate] else "-" for rate in rates], ""])
+    rows.append(["and: engine time in steps / the model alone on its forwards (the engine's own cost)",
+                 *[f"{busy[rate] / alone[rate]:.2f}x" if busy[rate] and alone[rate] else "-" for rate in rates], ""])
     lines += ["", "**Throughput ratios** (medians of this run) and the compute floor:", "",
               markdown_table(["ratio", *[rate_label(r) for r in rates], "target"], rows), "",
               f"Compute floor: {floor:.2f} s = the model alone (never enabled, SDPA) on the "
               f"{unique_prompt_tokens(base)} unique prompt tokens and the {output_tokens} output tokens in "
-              f"{-(-(unique_prompt_tokens(base) + output_tokens) // size['batch_tokens'])} packed forwards of "
+              f"{packed} packed forwards of "
               f"{size['batch_tokens']} tokens (positions restarting per sequence, logits only for the output tokens), "
               "measured once per round after it. The makespan ratio at the lower rates is bounded by the arrivals "
-              "(the last request arrives late), the step-time ratio is not."]
+              "(the last request arrives late), the step-time ratio is not. The step-time ratio splits in two: the "
+              "model alone replaying the engine's own forwards (each forward's token count and kept logits, "
+              "recorded by a forward pre-hook; no cache, SDPA over the forward's own tokens), measured after the "
+              "floor for each round's engine run, against the floor: what running more, smaller forwards costs "
+              "(a decode step feeds one token per running sequence, and the pool bounds how many run); and the "
+              "engine's time in steps against that replay: attention over cached keys, cache writes, planning and "
+              "sampling."]
 
     ceiling = concurrency_ceiling(base, size["num_blocks"], bs)
     rows = []
