@@ -218,7 +218,7 @@ def three(values, digits=2) -> str:
     return " / ".join(fmt(v, digits) for v in values)
 
 
-def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
+def report(args, size, reqs, slo, how, names, summaries, calibration, every_run) -> str:
     duration = size["minutes"] * 60
     n = len(reqs)
     kinds = {k: sum(1 for r in reqs if r.group.startswith(k)) for k in ("system", "conversation")}
@@ -280,8 +280,12 @@ def report(args, size, reqs, slo, how, names, summaries, calibration) -> str:
         lines += ["", f"Calibration on this machine: time to first token alone {calibration['ttft_alone']:.3f} s "
                       f"(median of 4 typical requests served one at a time), per-token latency of 8 requests decoding "
                       f"together {calibration['per_token_together']:.3f} s (median)."]
-    lines += ["", f"Method: one run of each system over the same seeded trace in real time (the order rotated per "
-                  f"repeat; {args.repeats} repeat{'s' if args.repeats > 1 else ''}, figures of the "
+    if args.repeats > 1:
+        lines += ["", "Availability of every run, in the order run: " + "; ".join(
+            f"{name} {' / '.join(f'{a:.1%}' for a in every_run[name])}" for name in names) + "."]
+    runs = f"{args.repeats} runs" if args.repeats > 1 else "one run"
+    lines += ["", f"Method: {runs} of each system over the same seeded trace in real time (the order rotated per "
+                  f"repeat; figures of the "
                   f"{'median run by availability' if args.repeats > 1 else 'run'}), after an untimed warm-up of the "
                   f"engine (the calibration) and of transformers CB; client and servers in one process on this machine "
                   f"({torch.get_num_threads()} torch threads). Queue, running sequences and KV usage are sampled every "
@@ -447,7 +451,8 @@ def main() -> int:
                                                     "every request finished")
             failed = [o.error for o in run.outcomes if o.error and not o.refused and "deadline" not in o.error]
             checks.expect(not failed, f"{name}: {len(failed)} requests failed ({failed[:2]})")
-    body = report(args, size, reqs, slo, how, names, summaries, calibration)
+    every_run = {name: [summarize(run, reqs, slo, duration)["availability"] for run in runs[name]] for name in names}
+    body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
     if not checks.failures:
         body += "\n\n" + plot(args, size, reqs, slo, names, picked)
     return checks.finish("load", body, args.smoke)
