@@ -574,12 +574,14 @@ def compute_floor(model, reqs: list[Req], output_tokens: int, pack: int) -> floa
     count = -(-tokens // pack)
     shapes = [(min(pack, tokens - f * pack),
                max(1, round(output_tokens * (f + 1) / count) - round(output_tokens * f / count))) for f in range(count)]
-    return model_alone(model, reqs, shapes, max(1, tokens // len(reqs)))
+    return model_alone(model, reqs, output_tokens, shapes)
 
 
-def model_alone(model, reqs: list[Req], forwards: list[tuple[int, int]], mean_len: int) -> float:
+def model_alone(model, reqs: list[Req], output_tokens: int, forwards: list[tuple[int, int]]) -> float:
     """Seconds the model (never enabled, SDPA over each forward's own tokens, no cache) takes for
-    `forwards`, each `(tokens, logits kept)`, with positions restarting every `mean_len` tokens."""
+    `forwards`, each `(tokens, logits kept)`, with positions restarting at the mean length of a
+    request's unique prompt and output tokens."""
+    mean_len = max(1, (unique_prompt_tokens(reqs) + output_tokens) // len(reqs))
     source = [t for r in reqs for t in r.prompt]
     while len(source) < max(n for n, _ in forwards):
         source += source
@@ -698,10 +700,9 @@ def main() -> int:
         output_tokens = sum(len(t) for t in reference if t is not None)
         note(f"run {round_ + 1}/{args.repeats}: compute floor, and the model alone on the engine's forwards")
         floors.append(compute_floor(plain, base, output_tokens, size["batch_tokens"]))
-        mean_len = max(1, (unique_prompt_tokens(base) + output_tokens) // n)
         for rate in rates:
             run = results[rate]["engine"][-1]
-            run.extra["model_alone"] = model_alone(plain, base, run.extra["forwards"], mean_len)
+            run.extra["model_alone"] = model_alone(plain, base, output_tokens, run.extra["forwards"])
 
     checks = Checks()
     checks.expect(all(t is not None for t in reference), "sequential generate failed a request: no reference")

@@ -40,9 +40,9 @@ class LoadControl:
     def finished(self, request: Request) -> None:
         if request.first_token is None:
             return
-        tokens = len(request.generated)
-        per_token = (request.last_token - request.first_token) / (tokens - 1) if tokens > 1 else 0.0
+        tokens, per_token = len(request.generated), 0.0
         if tokens > 1:
+            per_token = (request.last_token - request.first_token) / (tokens - 1)
             self.signals.record("per_token", per_token)
         if request.first_token - request.arrived <= self.slo.ttft and per_token <= self.slo.per_token:
             self.counts["requests_within_slo"] += 1

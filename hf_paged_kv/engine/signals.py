@@ -2,10 +2,10 @@
 
 Events (arrivals, first tokens, finished requests' per-token latency, queue waits, preemptions,
 rejections) are kept with their time for the long window; each reading reports, for both
-windows, rates per second, means and 95th percentiles. Levels (queue depth, how long the oldest waiting request has waited,
-KV usage, pinned share, hit rates) are sampled at each reading and smoothed with an exponential
-moving average per window; the last sample is also reported as it is (`now`), for decisions
-that must not lag behind the queue.
+windows, rates per second, means and 95th percentiles. Levels (queue depth, how long the oldest
+waiting request has waited, KV usage, pinned share, hit rates) are sampled at each reading and
+smoothed with an exponential moving average per window; the last sample is also reported as it
+is (`now`), for decisions that must not lag behind the queue.
 
     >>> signals.read(now)["short"]["ttft_p95"]
 """
