@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_paged_kv import KVPool
-from hf_paged_kv.engine.admission import Admission
+from hf_paged_kv.engine.admission import LATE_YIELD, Admission
 from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits, Scheduler
@@ -20,10 +20,10 @@ from hf_paged_kv.sequence import Sequence
 MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
 
 
-def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001):
+def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001, ttft_target=None):
     pool = KVPool(num_blocks=num_blocks, block_size=block_size)
     pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
-    scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait))
+    scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
     admit = Admission(pool, scheduler)
     admit.record_step(100, 100 * seconds_per_token)  # the recent cost of a token
     return admit
@@ -51,6 +51,44 @@ def test_a_long_prompt_keeps_its_turn_against_requests_arriving_after_its_comput
     long = queue(admit, 120, now - 0.5)  # 0.12 s of compute, arrived 0.5 s before the short one
     short = queue(admit, 10, now, first=500)
     assert admitted(admit) == [long, short]
+
+
+def test_without_a_target_the_oldest_of_a_late_queue_goes_first():
+    admit, now = admission(seconds_per_token=0.001), time.monotonic()
+    late = queue(admit, 10, now - 1.0)  # waited 1 s
+    fresh = queue(admit, 120, now, first=500)
+    assert admitted(admit) == [late, fresh]
+
+
+def test_a_request_past_its_ttft_target_yields_to_one_that_can_still_meet_it():
+    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
+    late = queue(admit, 10, now - 1.0)  # waited 1 s: its first token comes after the 0.5 s target whatever happens
+    fresh = queue(admit, 120, now, first=500)  # 0.12 s of compute: it can still make it
+    assert admitted(admit) == [fresh, late]
+
+
+def test_a_request_whose_compute_would_take_it_past_the_target_yields_too():
+    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
+    doomed = queue(admit, 200, now - 0.4)  # waited 0.4 s, needs 0.2 s more: late
+    short = queue(admit, 10, now - 0.1, first=500)
+    long_ = queue(admit, 300, now, first=900)  # 0.3 s: still in time
+    assert admitted(admit) == [short, long_, doomed]
+
+
+def test_a_late_request_yields_for_a_bounded_time():
+    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
+    late = queue(admit, 10, now - 1.0 - LATE_YIELD * 0.5)  # late for longer than it yields
+    fresh = queue(admit, 10, now, first=500)
+    assert admitted(admit) == [late, fresh]
+
+
+def test_a_preempted_request_never_yields_and_priority_still_comes_first():
+    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
+    resumed = queue(admit, 10, now - 1.0)
+    resumed.generated = [7]  # it has had its first token: the target is behind it
+    late_high = queue(admit, 10, now - 1.0, priority=1, first=300)
+    fresh = queue(admit, 10, now, first=500)
+    assert admitted(admit) == [late_high, resumed, fresh]
 
 
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all

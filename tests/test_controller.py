@@ -141,6 +141,18 @@ def test_per_token_signal_is_each_finished_requests_mean_gap():
     hf_paged_kv.disable(model)
 
 
+def test_the_controller_gives_admission_its_ttft_target_unless_one_is_set():
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=16, block_size=8)
+    controlled = Engine(model, pool=pool, slo=SLO(ttft=0.8, per_token=0.1))
+    assert controlled.limits.ttft_target == 0.8
+    assert controlled.stats()["controller"]["ttft_target"] == 0.8
+    assert Engine(model, pool=pool, controller=False, slo=SLO(ttft=0.8)).limits.ttft_target is None
+    given = Engine(model, pool=pool, slo=SLO(ttft=0.8), limits=Limits(ttft_target=2.0))
+    assert given.limits.ttft_target == 2.0
+    hf_paged_kv.disable(model)
+
+
 def test_every_engine_actuator_moves_under_pressure_and_comes_back():
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=64, block_size=8, host_blocks=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)

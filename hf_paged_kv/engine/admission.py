@@ -21,6 +21,10 @@ from ..sequence import Sequence
 from .request import Request
 from .scheduler import Scheduler
 
+# how long (in time-to-first-token targets) a request that can no longer meet its target yields
+# to those that still can, before it takes its turn again: a bound on how long triage delays it
+LATE_YIELD = 4.0
+
 
 class Admission:
     def __init__(self, pool: KVPool, scheduler: Scheduler):
@@ -74,12 +78,23 @@ class Admission:
         """The waiting requests by priority, then by when their prompt would be in had it started
         at arrival (arrival + uncached tokens x recent seconds per token): within a burst the
         short prompts first, while a long prompt is passed only by requests that arrived less
-        than its own compute time after it."""
+        than its own compute time after it.
+
+        With a time-to-first-token target (`Limits.ttft_target`), a request that can no longer
+        meet it (its wait so far plus its compute passes the target) yields to the requests that
+        still can, for `LATE_YIELD` targets: in a burst, serving one already late first only makes
+        the next ones late too. A preempted request has had its first token and never yields."""
         per_token = self.seconds_per_token()
         if per_token == 0.0 or len(self.scheduler.waiting) < 2:
             return list(self.scheduler.waiting)
-        return sorted(self.scheduler.waiting, key=lambda r: (-r.effective_priority,
-                                                             r.arrived + self._uncached(r) * per_token))
+        target, now = self.scheduler.limits.ttft_target, time.monotonic()
+
+        def turn(request: Request) -> tuple[int, float]:
+            compute = self._uncached(request) * per_token
+            late = target is not None and not request.generated and now + compute > request.arrived + target
+            return -request.effective_priority, request.arrived + compute + (LATE_YIELD * target if late else 0.0)
+
+        return sorted(self.scheduler.waiting, key=turn)
 
     def _uncached(self, request: Request) -> int:
         """Tokens of the request not in cached blocks of the device pool, its own or published

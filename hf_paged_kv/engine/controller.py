@@ -21,6 +21,11 @@ the target, and grows back while there is a queue and headroom. Every knob is bo
 change is logged and counted (`controller_actions_total{knob=...}`), and the current values
 are in `engine.stats()` and the metrics.
 
+With the controller, the engine also admits by the time-to-first-token target
+(`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
+it yields, for a bounded time, to those that still can. The order changes only when the queue
+is already late.
+
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """
 

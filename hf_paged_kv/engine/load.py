@@ -25,6 +25,8 @@ class LoadControl:
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         if self.controller is not None:
+            if engine.limits.ttft_target is None:  # triage the queue by the target (Admission._in_turn)
+                engine.limits.ttft_target = slo.ttft
             for name, knob in self.controller.knobs.items():
                 engine.metrics.knobs.labels(name).set(knob.value)
             engine.metrics.controller_state.labels("normal").set(1)
@@ -87,7 +89,8 @@ class LoadControl:
     def stats(self) -> dict:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
-        settings = self.controller.settings() if self.controller is not None else {"state": "off"}
+        settings = ({"state": "off"} if self.controller is None else
+                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target})
         return self.counts | {
             "goodput": within / elapsed,
             "availability": within / submitted if submitted else 1.0,

@@ -6,7 +6,8 @@ the pool's free and evictable blocks cover its uncached tokens plus a reserve fo
 sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
 which decays while memory holds and is reset by a preemption (SGLang's rule) – and never in a
 step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
-first with aging (see `Admission`). A request whose prompt continues a prefix that a running
+first with aging, and, given a time-to-first-token target, those that can still meet it before
+those that cannot (see `Admission`). A request whose prompt continues a prefix that a running
 prefill is about to compute waits for those blocks and inherits them instead of computing them
 twice.
 
@@ -35,6 +36,7 @@ class Limits:
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
+    ttft_target: float | None = None  # s; set: waiting requests that can no longer meet it yield (see Admission)
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
