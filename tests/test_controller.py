@@ -150,6 +150,10 @@ def test_the_controller_gives_admission_its_ttft_target_unless_one_is_set():
     assert Engine(model, pool=pool, controller=False, slo=SLO(ttft=0.8)).limits.ttft_target is None
     given = Engine(model, pool=pool, slo=SLO(ttft=0.8), limits=Limits(ttft_target=2.0))
     assert given.limits.ttft_target == 2.0
+    shared = Limits()  # one Limits for two engines: the controlled one must not move the other's
+    Engine(model, pool=pool, limits=shared)
+    assert shared.ttft_target is None
+    assert Engine(model, pool=pool, limits=shared, controller=False).limits.ttft_target is None
     hf_paged_kv.disable(model)
 
 

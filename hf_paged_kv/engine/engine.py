@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
@@ -47,7 +48,8 @@ class Engine:
         tokenizer: needed to submit text prompts.
         pool: the KVPool to enable the model with (if it is not enabled yet).
         max_running, max_batch_tokens, max_waiting: scheduler limits.
-        limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above.
+        limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above;
+            copied, so the controller moves this engine's own (`engine.limits`).
         controller: adapt the knobs to the load (`controller.Controller`); False keeps them fixed.
         slo: service-level targets (`controller.SLO`): used by the controller, reported as goodput.
     """
@@ -59,8 +61,8 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.pool = enable(model, pool=pool, backend=backend)
         self.backend = state_of(model).backend
-        self.limits = limits or Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                       max_waiting=max_waiting)
+        self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
+                                                            max_waiting=max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)
         self.admission = Admission(self.pool, self.scheduler)
         self.metrics = EngineMetrics()
