@@ -17,6 +17,7 @@ from hf_paged_kv import (
     PoolExhaustedError,
     UnsupportedModelError,
 )
+from hf_paged_kv.engine import SLO, Limits
 
 
 def test_pool_exhausted_is_clean_and_recoverable(llama):
@@ -119,6 +120,28 @@ def test_unsupported_models_are_refused_at_enable():
 def test_bad_pool_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KVPool(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_batch_tokens=0), r"Limits.max_batch_tokens must be >= 1"),
+        (dict(max_running=0), r"Limits.max_running must be >= 1"),
+        (dict(backfill_wait=-1.0), r"Limits.backfill_wait must be >= 0"),
+        (dict(watermark=1.5), r"Limits.watermark is a fraction in \[0, 1\]"),
+        (dict(growth_ratio_min=-0.1), r"Limits.growth_ratio_min is a fraction"),
+        (dict(ttft_target=0.0), r"Limits.ttft_target must be > 0 seconds"),
+    ],
+)
+def test_bad_engine_limits(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Limits(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(ttft=0.0), dict(per_token=-1.0)])
+def test_bad_service_level_targets(kwargs):
+    with pytest.raises(ValueError, match="SLO targets must be > 0 seconds"):
+        SLO(**kwargs)
 
 
 def test_budget_too_small_for_one_block(llama):

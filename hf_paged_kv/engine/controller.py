@@ -48,6 +48,10 @@ class SLO:
     ttft: float = 2.0
     per_token: float = 0.5
 
+    def __post_init__(self):
+        if self.ttft <= 0 or self.per_token <= 0:
+            raise ValueError(f"SLO targets must be > 0 seconds, got ttft={self.ttft}, per_token={self.per_token}")
+
 
 @dataclass
 class Thresholds:

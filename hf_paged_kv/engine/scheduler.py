@@ -44,6 +44,19 @@ class Limits:
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted
 
+    def __post_init__(self):
+        for name in ("max_running", "max_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_waiting", "backfill_wait", "prefetch_depth", "growth_ratio_decay"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Limits.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
+        if self.ttft_target is not None and self.ttft_target <= 0:
+            raise ValueError(f"Limits.ttft_target must be > 0 seconds (or None: no triage), got {self.ttft_target}")
+
 
 class Scheduler:
     def __init__(self, pool: KVPool, limits: Limits):
