@@ -61,6 +61,21 @@ def runs():
             process.communicate()
 
 
+@pytest.mark.parametrize("tokens,outputs,pack", [(7656, [59] + [14] * 63, 256), (7656, [10] * 64, 256),
+                                                 (100, [3, 2], 64), (50, [40], 64), (64, [1], 64)])
+def test_compute_floor_schedules_feed_every_token_in_forwards_any_schedule_could_use(tokens, outputs, pack):
+    sys.path.insert(0, str(BENCH))
+    from bench_engine import floor_schedules
+
+    schedules = floor_schedules(tokens, outputs, pack)
+    fewest = max(-(-tokens // pack), max(outputs))
+    assert len(schedules["packed"]) == -(-tokens // pack)
+    assert len(schedules["even"]) == len(schedules["front"]) == fewest
+    for forwards in schedules.values():
+        assert sum(n for n, _ in forwards) == tokens
+        assert all(1 <= keep <= n <= pack for n, keep in forwards)
+        assert sum(keep for _, keep in forwards) >= sum(outputs)
+    assert max(n for n, _ in schedules["even"]) - min(n for n, _ in schedules["even"]) <= 1
 
 
 @pytest.mark.slow
