@@ -69,9 +69,15 @@ def paged_attention(
     return attend(query, keys, values, mask, scale, softcap)
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one (0 where visible, -inf elsewhere). SDPA converts a
+    boolean mask so on every call; converted once, a forward's mask serves all of its layers."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def attend(query, keys, values, mask, scale, softcap=None) -> torch.Tensor:
-    """`query` against gathered `keys`/`values` under a boolean `mask`: SDPA, or the explicit
-    softmax when scores are soft-capped (SDPA cannot cap them)."""
+    """`query` against gathered `keys`/`values` under `mask` (boolean, or additive without
+    `softcap`): SDPA, or the explicit softmax when scores are soft-capped (SDPA cannot cap them)."""
     if softcap:
         return eager_attention(query, keys, values, mask, scale, softcap)[0]
     return sdpa(query, keys, values, mask, scale)
@@ -94,7 +100,8 @@ def sdpa(query, keys, values, mask, scale, is_causal=False) -> torch.Tensor:
         query, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=groups > 1 and native
     )
     if mask is not None and query.device.type != "cpu":  # some kernels give NaN where nothing is visible
-        out = out.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+        seen = mask if mask.dtype == torch.bool else mask > float("-inf")
+        out = out.masked_fill(~seen.any(-1, keepdim=True), 0.0)
     return out
 
 

@@ -168,7 +168,7 @@ class TorchBackend:
         """The packed forward's decodes, gathered into padded batches and attended one batch per
         call (one call per sequence cost more than the copy: 4.1 s against 1.6 s of a SmolLM2
         engine run); `flat`/`out` `[Q, heads, dim]`."""
-        for rows, tables, width, visible in _decode_groups(plan, window, keys, flat.device):
+        for rows, tables, width, visible in _decode_groups(plan, window, keys, flat.dtype, softcap):
             query = flat.index_select(0, rows)[:, :, None]  # [n, heads, 1, dim]
             seq_keys = reference.gather(keys, tables, width).to(query.dtype)
             seq_values = reference.gather(values, tables, width).to(query.dtype)
@@ -182,21 +182,24 @@ class TorchBackend:
         seq_keys, seq_values = self._sequence_kv(keys, values, plan, sequence, first, length, query.dtype)
         if not softcap and (count == 1 or (count == length and (window is None or length <= window))):
             return reference.sdpa(query, seq_keys, seq_values, None, scale, is_causal=count > 1)
-        visible = self._causal_mask(plan, query.device, first, length, count, window)
-        return reference.attend(query, seq_keys, seq_values, visible[None, None], scale, softcap)
+        visible = self._causal_mask(plan, query, first, length, window, softcap)
+        return reference.attend(query, seq_keys, seq_values, visible, scale, softcap)
 
     @staticmethod
-    def _causal_mask(plan, device, first: int, length: int, count: int, window) -> torch.Tensor:
-        """Boolean `[count, length - first]`: which of keys first..length each of the last `count`
-        queries sees; built once per forward (every layer asks for the same)."""
-        key = ("torch-causal", device, first, length, count, window)
+    def _causal_mask(plan, query, first: int, length: int, window, softcap) -> torch.Tensor:
+        """`[1, 1, count, length - first]`: which of keys first..length each of the last `count`
+        queries sees, boolean for soft-capped scores, else additive in the query's dtype; built
+        once per forward (every layer asks for the same)."""
+        device, count = query.device, query.shape[2]
+        key = ("torch-causal", device, query.dtype, first, length, count, window, bool(softcap))
         if key not in plan.memo:
             key_positions = torch.arange(first, length, device=device)[None, :]
             positions = torch.arange(length - count, length, device=device)[:, None]
             visible = key_positions <= positions
             if window is not None:
                 visible &= key_positions > positions - window
-            plan.memo[key] = visible
+            visible = visible[None, None]
+            plan.memo[key] = visible if softcap else reference.additive_mask(visible, query.dtype)
         return plan.memo[key]
 
     @staticmethod
@@ -260,15 +263,17 @@ def _queries_are_row_tails(plan, width: int) -> bool:
 GATHER_BYTES = 64 << 20  # the most one padded decode batch copies out of the pool, keys or values
 
 
-def _decode_groups(plan, window, cache: torch.Tensor, device) -> list[tuple]:
+def _decode_groups(plan, window, cache: torch.Tensor, dtype: torch.dtype, softcap) -> list[tuple]:
     """The packed forward's decodes in padded batches of similar widths. Each row reads from
     the block holding its first visible key (under a sliding window, not from block 0), so its
     width is the keys it reads plus less than a block. Sorted by width, a batch ends where its
     padded copy would pass `GATHER_BYTES` (so it bounds the memory a forward takes; the padding
     costs less than more calls: splitting where a row is under half the widest made the
     decodes of a SmolLM2 engine run about 1.5x slower). Per batch `(query rows, block tables from
-    each row's first block, width, visible [n, 1, 1, width])`, built once per forward."""
-    key = ("torch-decode-groups", device, window)
+    each row's first block, width, visible [n, 1, 1, width])`, on the pool's device, built once
+    per forward; `visible` is boolean for soft-capped scores, else additive in `dtype`."""
+    device = cache.device
+    key = ("torch-decode-groups", device, window, dtype, bool(softcap))
     if key not in plan.memo:
         decodes = plan.single_and_chunked[0]
         lens = plan.kv_lens[decodes].astype(np.int64)
@@ -288,8 +293,9 @@ def _decode_groups(plan, window, cache: torch.Tensor, device) -> list[tuple]:
             tables = np.take_along_axis(padded, skipped[rows, None] + np.arange(reads), axis=1)
             positions = np.arange(widest) + (skipped[rows] * plan.block_size)[:, None]
             visible = (positions >= firsts[rows, None]) & (positions < lens[rows, None])
+            visible = to_device(visible, device)[:, None, None]
             groups.append((to_device(plan.q_start[decodes[rows]], device), to_device(tables, device), widest,
-                           to_device(visible, device)[:, None, None]))
+                           visible if softcap else reference.additive_mask(visible, dtype)))
             start = end
         plan.memo[key] = groups
     return plan.memo[key]
