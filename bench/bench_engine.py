@@ -37,8 +37,8 @@ requests, and whether every request's tokens equal per-request greedy `generate`
 compute floor (the model alone on the unique prompt tokens and the output tokens in the fewest
 forwards of at most `max_batch_tokens` that any schedule can use, measured in the same run) with
 the engine's time relative to it, split into the cost of its schedule (the model alone replaying
-the engine's forwards) and the engine's own cost, and the engine's concurrency against a static reservation of prompt +
-max_new_tokens per request.
+the engine's forwards) and the engine's own cost, and the engine's concurrency against a static
+reservation of prompt + max_new_tokens per request.
 
 The engine's tokens must equal per-request `generate` and none of its requests may fail, or the
 script exits 1 and writes nothing; the other systems' mismatches are reported, not hidden.
@@ -753,7 +753,8 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
            per_block) -> str:
     n, bs = len(base), size["block_size"]
     prompt_tokens = sum(len(r.prompt) for r in base)
-    output_tokens = sum(len(t) for t in reference if t is not None)
+    outputs = [len(t) for t in reference if t is not None]
+    output_tokens = sum(outputs)
     pool_bytes = size["num_blocks"] * per_block
     lines = [
         f"### Serving engine: {n} requests, Poisson arrivals ({model_name(args.smoke)}, fp32, "
@@ -798,7 +799,6 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
     for name, target in zip(names[:3], ("3x", "1.5x", "1.5x")):
         rows.append([f"engine vs {name}", *[
             f"{engine[rate] / median_of(summaries[rate][name], 'throughput'):.2f}x" for rate in rates], target])
-    outputs = [len(t) for t in reference if t is not None]
     shapes = floor_schedules(unique_prompt_tokens(base) + output_tokens, outputs, size["batch_tokens"])
     floor = statistics.median(min(f["even"], f["front"]) for f in floors)
     packed = statistics.median(f["packed"] for f in floors)

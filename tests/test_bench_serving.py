@@ -5,6 +5,7 @@ section, no plot). Both start when the module begins, so it takes about as long 
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -63,11 +64,10 @@ def runs():
 
 @pytest.mark.parametrize("tokens,outputs,pack", [(7656, [59] + [14] * 63, 256), (7656, [10] * 64, 256),
                                                  (100, [3, 2], 64), (50, [40], 64), (64, [1], 64)])
-def test_compute_floor_schedules_feed_every_token_in_forwards_any_schedule_could_use(tokens, outputs, pack):
-    sys.path.insert(0, str(BENCH))
-    from bench_engine import floor_schedules
-
-    schedules = floor_schedules(tokens, outputs, pack)
+def test_compute_floor_schedules_feed_every_token_in_forwards_any_schedule_could_use(monkeypatch, tokens, outputs,
+                                                                                    pack):
+    monkeypatch.syspath_prepend(str(BENCH))
+    schedules = importlib.import_module("bench_engine").floor_schedules(tokens, outputs, pack)
     fewest = max(-(-tokens // pack), max(outputs))
     assert len(schedules["packed"]) == -(-tokens // pack)
     assert len(schedules["even"]) == len(schedules["front"]) == fewest
