@@ -13,6 +13,7 @@ import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded
 from hf_paged_kv.engine import SLO, Limits, Thresholds
 from hf_paged_kv.engine.controller import Controller, Knob
+from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.signals import Signals
 
 CALM = dict(kv_usage=0.2, queue_depth=0)
@@ -97,6 +98,39 @@ def test_overload_sheds_one_priority_level_per_dwell_and_recovers():
     assert controller.state == "normal" and controller.shed_below == float("-inf")
     sheds = [value for knob, value in actions if knob == "shed_below_priority"]
     assert sheds[:2] == [1, 2] and sheds[-1] == float("-inf")  # one level per dwell, cleared on recovery
+
+
+def test_batch_budget_does_not_grow_while_first_tokens_are_late():
+    """A larger forward delays every first token in it: with a queue and per-token headroom but
+    late first tokens, the budget stays; once first tokens are quick again, it grows."""
+    clock, signals, controller, applied, _ = setup()
+    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 6, events=[("per_token", 0.01), ("ttft", 0.9)])
+    assert controller.knobs["max_batch_tokens"].value == 256 and not [a for a in applied if a[0] == "max_batch_tokens"]
+    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 6, events=[("per_token", 0.01), ("ttft", 0.1)])
+    assert controller.knobs["max_batch_tokens"].value > 256
+
+
+def test_a_shed_priority_is_refused_only_while_late_requests_wait():
+    """Overload's dwell outlasts its backlog: a shed priority is refused while a request waits
+    past its first-token target, and accepted again once none does, though the state stays."""
+    model = make_model("llama", seed=3)
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8), slo=SLO(ttft=0.5, per_token=1.0))
+    engine.accepting = True  # accept without running the loop: the queue is what the test puts in it
+    controller = engine.load.controller
+    controller.state, controller.shed_below = "overload", 1
+    engine.submit([5, 6, 7], max_new_tokens=2)  # no late request waits: accepted
+    late = Request([8, 9, 10], SamplingParams(max_new_tokens=2), arrived=time.monotonic() - 2.0)
+    engine.scheduler.enqueue(late)
+    with pytest.raises(Overloaded) as info:
+        engine.submit([5, 6, 7], max_new_tokens=2)
+    assert info.value.retry_after >= 1.0
+    engine.submit([5, 6, 7], max_new_tokens=2, priority=1)  # not a shed priority
+    engine.scheduler.remove(late)
+    engine.submit([5, 6, 7], max_new_tokens=2)  # the late backlog is gone: accepted again
+    assert controller.state == "overload" and engine.stats()["requests_rejected"] == 1
+    engine.start()
+    engine.stop(drain=True)
+    hf_paged_kv.disable(model)
 
 
 def test_long_past_waits_with_a_drained_queue_shed_nothing():

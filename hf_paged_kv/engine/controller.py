@@ -11,13 +11,14 @@ flaps:
   leave sooner, prefetching stops, and cold cached blocks are demoted to the host tier ahead
   of need;
 - **overload** (requests waited far longer than the target and the queue still holds late ones):
-  all of the above, and the lowest priorities are shed – new requests refused and waiting ones
-  turned away with an honest `retry_after` – raising the shed level one priority at a time while
-  overload lasts.
+  all of the above, and the lowest priorities are shed – waiting ones past their target turned
+  away, and new ones refused while such late requests wait, each with an honest `retry_after` –
+  raising the shed level one priority at a time while overload lasts.
 
 Independently of the state, the batch token budget shrinks when the per-token latency of
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
-the target, and grows back while there is a queue and headroom. Every knob is bounded, every
+the target, and grows back while there is a queue and both per-token latency and time to first
+token have headroom. Every knob is bounded, every
 change is logged and counted (`controller_actions_total{knob=...}`), and the current values
 are in `engine.stats()` and the metrics.
 
@@ -151,13 +152,17 @@ class Controller:
     # -------------------------------------------------------------- rules
     def _batch_budget(self, short: dict) -> None:
         """Shrink the token budget when per-token latency breaks its target; grow it back while
-        requests queue and latency has headroom."""
+        requests queue and both latencies have headroom. Not while first tokens are late: a
+        larger forward delays every first token in it, and in a burst the short prompts admitted
+        first would wait for the long ones (on bench_load's trace the budget doubled in a burst's
+        first seconds and its shortest prompts got their first tokens together with the longest)."""
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
         if short["per_token_p95"] > self.slo.per_token:
             value = knob.value * 0.75
-        elif short["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token:
+        elif (short["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token
+              and short["ttft_p95"] < 0.5 * self.slo.ttft):
             value = knob.value * 1.25
         else:
             return
