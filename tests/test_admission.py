@@ -36,8 +36,8 @@ def queue(admit: Admission, length: int, arrived: float, priority: int = 0, firs
     return request
 
 
-def admitted(admit: Admission, budget: int = 10_000) -> list[Request]:
-    return [request for request, _ in admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics())]
+def admitted(admit: Admission, budget: int = 10_000, ends_prompts: bool = False) -> list[Request]:
+    return [request for request, _ in admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics(), ends_prompts)]
 
 
 def test_a_burst_is_admitted_shortest_prompt_first():
@@ -89,6 +89,24 @@ def test_a_preempted_request_never_yields_and_priority_still_comes_first():
     late_high = queue(admit, 10, now - 1.0, priority=1, first=300)
     fresh = queue(admit, 10, now, first=500)
     assert admitted(admit) == [late_high, resumed, fresh]
+
+
+def test_with_a_target_a_prompt_that_would_only_start_waits_for_a_forward_without_first_tokens():
+    """A forward that already ends prompts takes no partial chunk of another: it would only
+    delay their first tokens. Without a target the budget is filled; the deferred prompt leads
+    the next forward, partial or not, and nothing passes it."""
+    def burst(ttft_target):
+        admit, now = admission(seconds_per_token=0.001, ttft_target=ttft_target), time.monotonic()
+        short, middle, long_ = (queue(admit, n, now, first=100 * i) for i, n in enumerate((10, 20, 60)))
+        return admit, short, middle, long_
+    admit, short, middle, long_ = burst(ttft_target=5.0)
+    assert admitted(admit, budget=50) == [short, middle]  # long_ would get 20 of its 60 tokens
+    assert admitted(admit, budget=50) == [long_]  # next forward: it starts, partially
+    admit, short, middle, long_ = burst(ttft_target=5.0)
+    assert admitted(admit, budget=5, ends_prompts=True) == []  # the running part ends a prompt already
+    assert admitted(admit, budget=5) == [short]  # a forward of decodes only: it starts
+    admit, short, middle, long_ = burst(ttft_target=None)
+    assert admitted(admit, budget=50) == [short, middle, long_]
 
 
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all

@@ -65,7 +65,7 @@ def test_preempted_requests_resume_with_identical_output():
     batch = prompts([30, 26, 35, 28, 31, 33], seed=10)
     expected = [alone(model, p, new=24) for p in batch]
     optimistic = Limits(max_batch_tokens=64, growth_ratio_init=0.0, growth_ratio_min=0.0)  # admit, then preempt
-    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic)
+    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic, controller=False)
     with engine:
         handles = [engine.submit(p, max_new_tokens=24) for p in batch]
         results = [h.result(timeout=180) for h in handles]

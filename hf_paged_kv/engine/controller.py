@@ -24,8 +24,8 @@ are in `engine.stats()` and the metrics.
 
 With the controller, the engine also admits by the time-to-first-token target
 (`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
-it yields, for a bounded time, to those that still can. The order changes only when the queue
-is already late.
+it yields, for a bounded time, to those that still can (the order changes only when the queue
+is already late), and a forward that already ends prompts starts no other with a partial chunk.
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

@@ -190,8 +190,9 @@ class Engine:
             self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
                                                                           self.limits.prefetch_watermark)
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
+            ends_prompts = any(n == request.remaining for request, n in batch if n > 1 or not request.generated)
             batch += self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0) if self.scheduler.waiting else None,
-                                          self.counters, self.metrics)
+                                          self.counters, self.metrics, ends_prompts)
         if not batch:
             return False
         self._forward(batch)
