@@ -25,7 +25,7 @@ def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token
     pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
     scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
     admit = Admission(pool, scheduler)
-    admit.record_step(100, 100 * seconds_per_token)  # the recent cost of a token
+    admit.costs.record(100, 100 * seconds_per_token)  # the recent cost of a token
     return admit
 
 
@@ -37,7 +37,8 @@ def queue(admit: Admission, length: int, arrived: float, priority: int = 0, firs
 
 
 def admitted(admit: Admission, budget: int = 10_000, ends_prompts: bool = False) -> list[Request]:
-    return [request for request, _ in admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics(), ends_prompts)]
+    chosen = admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics(), ends_prompts)
+    return [request for request, _ in chosen]
 
 
 def test_a_burst_is_admitted_shortest_prompt_first():
@@ -91,22 +92,42 @@ def test_a_preempted_request_never_yields_and_priority_still_comes_first():
     assert admitted(admit) == [late_high, resumed, fresh]
 
 
-def test_with_a_target_a_prompt_that_would_only_start_waits_for_a_forward_without_first_tokens():
-    """A forward that already ends prompts takes no partial chunk of another: it would only
-    delay their first tokens. Without a target the budget is filled; the deferred prompt leads
-    the next forward, partial or not, and nothing passes it."""
+def test_with_a_target_a_partial_chunk_waits_for_a_forward_without_first_tokens():
+    """A forward that already ends prompts takes no partial chunk of another when the chunk
+    would delay their first tokens by more than a tenth of the target; nothing behind it in the
+    order is admitted either, and it starts in the next forward. A cheap chunk is not deferred,
+    and without a target the budget is filled."""
     def burst(ttft_target):
         admit, now = admission(seconds_per_token=0.001, ttft_target=ttft_target), time.monotonic()
         short, middle, long_ = (queue(admit, n, now, first=100 * i) for i, n in enumerate((10, 20, 60)))
-        return admit, short, middle, long_
-    admit, short, middle, long_ = burst(ttft_target=5.0)
-    assert admitted(admit, budget=50) == [short, middle]  # long_ would get 20 of its 60 tokens
+        lower = queue(admit, 5, now, priority=-1, first=400)  # after long_ in the order, fits what is left
+        return admit, short, middle, long_, lower
+    admit, short, middle, long_, lower = burst(ttft_target=0.1)  # 20 tokens x 1 ms > 0.01 s
+    assert admitted(admit, budget=50) == [short, middle]
     assert admitted(admit, budget=50) == [long_]  # next forward: it starts, partially
-    admit, short, middle, long_ = burst(ttft_target=5.0)
-    assert admitted(admit, budget=5, ends_prompts=True) == []  # the running part ends a prompt already
-    assert admitted(admit, budget=5) == [short]  # a forward of decodes only: it starts
-    admit, short, middle, long_ = burst(ttft_target=None)
+    admit, short, middle, long_, lower = burst(ttft_target=0.05)  # 8 tokens x 1 ms > 0.005 s
+    assert admitted(admit, budget=8, ends_prompts=True) == []  # the running part ends a prompt already
+    assert admitted(admit, budget=8) == [short]  # a forward of decodes only: it starts
+    admit, short, middle, long_, lower = burst(ttft_target=5.0)  # a 0.02 s delay against 5 s: not worth a forward
     assert admitted(admit, budget=50) == [short, middle, long_]
+    admit, short, middle, long_, lower = burst(ttft_target=None)
+    assert admitted(admit, budget=50) == [short, middle, long_]
+
+
+def test_a_chunk_ends_a_prompt_only_before_the_first_token():
+    request = Request(list(range(3, 13)), SamplingParams(max_new_tokens=4))
+    assert request.ends_prompt(10) and not request.ends_prompt(9)
+    request.computed, request.generated = 10, [7]  # resumed or decoding: its first token is out
+    assert request.remaining == 1 and not request.ends_prompt(1)
+
+
+def test_the_marginal_cost_of_a_token_leaves_out_a_steps_fixed_cost():
+    admit = admission(seconds_per_token=0.001)  # one step recorded: the mean
+    assert admit.costs.marginal_seconds_per_token() == pytest.approx(0.001)
+    for tokens in (1, 41, 256, 1, 5):  # 0.1 s per forward, 3 ms per token
+        admit.costs.record(tokens, 0.1 + 0.003 * tokens)
+    assert admit.costs.marginal_seconds_per_token() == pytest.approx(0.003, rel=0.1)
+    assert admit.costs.seconds_per_token() > 0.003  # the mean counts the fixed costs too
 
 
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all

@@ -58,14 +58,16 @@ def test_batched_requests_equal_generate_alone(arch):
     assert_pool_clean(engine.pool)
 
 
-def test_preempted_requests_resume_with_identical_output():
+@pytest.mark.parametrize("controller", [False, True])
+def test_preempted_requests_resume_with_identical_output(controller):
     """A pool too small for all of them at once: sequences are preempted (full blocks stay
-    cached, the partial one is swapped or recomputed) and still give generate's tokens."""
+    cached, the partial one is swapped or recomputed) and still give generate's tokens, with
+    the controller's admission rules or without."""
     model = make_model("llama", seed=4)
     batch = prompts([30, 26, 35, 28, 31, 33], seed=10)
     expected = [alone(model, p, new=24) for p in batch]
     optimistic = Limits(max_batch_tokens=64, growth_ratio_init=0.0, growth_ratio_min=0.0)  # admit, then preempt
-    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic, controller=False)
+    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic, controller=controller)
     with engine:
         handles = [engine.submit(p, max_new_tokens=24) for p in batch]
         results = [h.result(timeout=180) for h in handles]

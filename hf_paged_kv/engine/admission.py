@@ -18,19 +18,23 @@ import numpy as np
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from ..sequence import Sequence
+from .costs import StepCosts
 from .request import Request
 from .scheduler import Scheduler
 
 # how long (in time-to-first-token targets) a request that can no longer meet its target yields
 # to those that still can, before it takes its turn again: a bound on how long triage delays it
 LATE_YIELD = 4.0
+# the share of the time-to-first-token target by which a partial prompt chunk may delay the first
+# tokens of its forward; a longer delay defers the chunk to the next forward
+PARTIAL_DELAY = 0.1
 
 
 class Admission:
     def __init__(self, pool: KVPool, scheduler: Scheduler):
         self.pool, self.scheduler = pool, scheduler
         self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
-        self.recent: deque = deque(maxlen=32)  # (tokens, seconds) of recent steps
+        self.costs = StepCosts()
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.copy_seconds_per_block = 0.0
         self.digests: dict[int, tuple[tuple, list]] = {}  # request id -> (what it hashed, its digest pairs)
@@ -39,20 +43,21 @@ class Admission:
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, counters: dict, metrics,
-              ends_prompts: bool = False) -> list[tuple[Request, int]]:
+              ends_prompts: bool) -> list[tuple[Request, int]]:
         """Admit waiting requests in turn (`_in_turn`) while the memory rule and the budget
         allow. When memory turns one away, later requests of its priority that fit may pass it
         while it has waited less than `Limits.backfill_wait` (a burst's short prompts need not
         queue behind a long one); after that, and by a lower priority, it is never passed.
 
-        With a time-to-first-token target (`Limits.ttft_target`), a prompt that would only start
-        in this forward waits for the next one once the forward already ends some prompt
-        (`ends_prompts`: the running sequences' part of the batch does): its partial chunk would
-        only delay their first tokens. On bench_load's trace three short prompts missed a 0.99 s
-        target by 0.01-0.03 s behind 87 tokens of a longer one in a 0.9 s forward. Nothing is
-        admitted past it, so it leads the next forward."""
+        With a time-to-first-token target (`Limits.ttft_target`), a new prompt that would only
+        start in a forward that already ends some prompt (`ends_prompts`: the running sequences'
+        part of the batch does) waits for a later forward when its partial chunk would delay
+        their first tokens by more than `PARTIAL_DELAY` targets (at the marginal cost of a
+        token): on bench_load's CPU trace three short prompts missed a 0.99 s target by
+        0.01-0.03 s behind 87 tokens of a longer one in a 0.9 s forward. Nothing behind it in
+        this step's order is admitted; it starts in the first forward where it comes first in
+        the order or no prompt ends before it (the order's aging bounds how long that takes)."""
         admitted, blocked = [], None
-        first_tokens_first = self.scheduler.limits.ttft_target is not None
         if model is not None:
             self.model = model
         self.digests = {r.id: self.digests[r.id] for r in self.scheduler.waiting if r.id in self.digests}
@@ -66,9 +71,9 @@ class Admission:
             if self._never_fits(request):
                 self.on_impossible(request)
                 continue
-            if first_tokens_first and ends_prompts and self._uncached(request) > budget:
+            count = self._try(request, budget, whole=ends_prompts and self._partial_delays(budget))
+            if count == 0:  # deferred: its partial chunk would delay this forward's first tokens
                 break
-            count = self._try(request, budget)
             if count is None:
                 blocked = blocked or request
                 if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
@@ -83,8 +88,14 @@ class Admission:
             metrics.prompt_tokens.labels("inherited").inc(request.inherited)
             admitted.append((request, count))
             budget -= count
-            ends_prompts = ends_prompts or count == request.remaining
+            ends_prompts = ends_prompts or request.ends_prompt(count)
         return admitted
+
+    def _partial_delays(self, chunk: int) -> bool:
+        """Whether a forward `chunk` tokens longer delays its first tokens past `PARTIAL_DELAY`
+        of the time-to-first-token target (never without a target)."""
+        target = self.scheduler.limits.ttft_target
+        return target is not None and chunk * self.costs.marginal_seconds_per_token() > PARTIAL_DELAY * target
 
     def _in_turn(self) -> list[Request]:
         """The waiting requests by priority, then by when their prompt would be in had it started
@@ -96,7 +107,7 @@ class Admission:
         meet it (its wait so far plus its compute passes the target) yields to the requests that
         still can, for `LATE_YIELD` targets: in a burst, serving one already late first only makes
         the next ones late too. A preempted request has had its first token and never yields."""
-        per_token = self.seconds_per_token()
+        per_token = self.costs.seconds_per_token()
         if per_token == 0.0 or len(self.scheduler.waiting) < 2:
             return list(self.scheduler.waiting)
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
@@ -121,14 +132,18 @@ class Admission:
         pinned = self.pool.stats()["blocks_pinned"]
         return -(-(len(request.tokens()) + 1) // self.pool.block_size) > self.pool.num_blocks - pinned
 
-    def _try(self, request: Request, budget: int) -> int | None:
-        """Attach the cached prefix and the first chunk's blocks; the chunk size, or None (and
-        nothing held) when memory does not allow it."""
+    def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
+        """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
+        nothing held) when memory does not allow it, or 0 (nothing held) when `whole` and a new
+        prompt's uncached part does not fit in `budget`."""
         tokens = request.tokens()
         with self.pool.locked():
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
                 lambda digest, after: self.pool.promote(digest, self.model, after))
+            if whole and not request.generated and len(tokens) - length > budget:
+                self.pool.decref(blocks)
+                return 0
             if not self.scheduler.admissible(request, len(blocks)):
                 self.pool.decref(blocks)
                 return None
@@ -224,7 +239,7 @@ class Admission:
         return mode
 
     def _swap_is_cheaper(self, tokens: int) -> bool:
-        per_token = self.seconds_per_token()
+        per_token = self.costs.seconds_per_token()
         return per_token == 0.0 or self.copy_seconds_per_block < tokens * per_token
 
     def _unswap(self, request: Request) -> None:
@@ -243,16 +258,3 @@ class Admission:
         sequence.blocks.append(block)
         sequence.tokens, sequence.length = request.tokens()[:length], length
         sequence.history = bytearray(b"\x01" * length)
-
-    # ------------------------------------------------------------ costs
-    def record_step(self, tokens: int, seconds: float) -> None:
-        self.recent.append((tokens, seconds))
-
-    def seconds_per_token(self) -> float:
-        tokens = sum(t for t, _ in self.recent)
-        return sum(s for _, s in self.recent) / tokens if tokens else 0.0
-
-    def throughput(self) -> float:
-        """Tokens per second over the recent steps."""
-        seconds = sum(s for _, s in self.recent)
-        return sum(t for t, _ in self.recent) / seconds if seconds else 0.0

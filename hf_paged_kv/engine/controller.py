@@ -12,20 +12,21 @@ flaps:
   of need;
 - **overload** (requests waited far longer than the target and the queue still holds late ones):
   all of the above, and the lowest priorities are shed – waiting ones past their target turned
-  away, and new ones refused while such late requests wait, each with an honest `retry_after` –
-  raising the shed level one priority at a time while overload lasts.
+  away, and new ones refused while requests of their priority or above wait late, each with an
+  honest `retry_after` – raising the shed level one priority at a time while overload lasts.
 
 Independently of the state, the batch token budget shrinks when the per-token latency of
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
-the target, and grows back while there is a queue and both per-token latency and time to first
-token have headroom. Every knob is bounded, every
-change is logged and counted (`controller_actions_total{knob=...}`), and the current values
-are in `engine.stats()` and the metrics.
+the target, and grows back while there is a queue and both per-token latency and time to
+first token have headroom. Every knob is bounded, every change is logged and counted
+(`controller_actions_total{knob=...}`), and the current values are in `engine.stats()` and the
+metrics.
 
 With the controller, the engine also admits by the time-to-first-token target
 (`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
 it yields, for a bounded time, to those that still can (the order changes only when the queue
-is already late), and a forward that already ends prompts starts no other with a partial chunk.
+is already late), and a forward that already ends prompts starts no other with a partial chunk
+that would delay their first tokens by more than a tenth of the target.
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """
@@ -115,7 +116,7 @@ class Controller:
             target = knob.targets.get(self.state)
             if target is not None and knob.move_to(target):
                 self._act(knob.name, knob.value)
-        self._batch_budget(reading["short"])
+        self._batch_budget(reading["short"], reading["now"])
         self._shedding(now)
         return True
 
@@ -150,19 +151,20 @@ class Controller:
             self._act("state", STATES.index(state))
 
     # -------------------------------------------------------------- rules
-    def _batch_budget(self, short: dict) -> None:
+    def _batch_budget(self, short: dict, current: dict) -> None:
         """Shrink the token budget when per-token latency breaks its target; grow it back while
-        requests queue and both latencies have headroom. Not while first tokens are late: a
-        larger forward delays every first token in it, and in a burst the short prompts admitted
-        first would wait for the long ones (on bench_load's trace the budget doubled in a burst's
-        first seconds and its shortest prompts got their first tokens together with the longest)."""
+        requests queue and both latencies have headroom. First tokens have none when their p95
+        or the oldest waiting request has used half the target: a larger forward delays every
+        first token in it, and in a burst the short prompts admitted first would wait for the long
+        ones (on bench_load's trace the budget doubled in a burst's first seconds and its shortest
+        prompts got their first tokens together with the longest)."""
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
         if short["per_token_p95"] > self.slo.per_token:
             value = knob.value * 0.75
         elif (short["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token
-              and short["ttft_p95"] < 0.5 * self.slo.ttft):
+              and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
             value = knob.value * 1.25
         else:
             return

@@ -140,7 +140,7 @@ class Engine:
     def retry_after(self) -> float:
         """An honest wait: the queued tokens over the recent throughput (at least a second)."""
         queued = sum(r.remaining + r.params.max_new_tokens for r in list(self.scheduler.waiting))
-        rate = self.admission.throughput()
+        rate = self.admission.costs.throughput()
         return max(1.0, queued / rate) if rate > 0 else 5.0
 
     # ----------------------------------------------------------------- loop
@@ -190,7 +190,7 @@ class Engine:
             self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
                                                                           self.limits.prefetch_watermark)
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
-            ends_prompts = any(n == request.remaining for request, n in batch if n > 1 or not request.generated)
+            ends_prompts = any(request.ends_prompt(n) for request, n in batch)
             batch += self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0) if self.scheduler.waiting else None,
                                           self.counters, self.metrics, ends_prompts)
         if not batch:
@@ -265,7 +265,7 @@ class Engine:
         self.metrics.step.observe(seconds)
         self.metrics.batch_tokens.observe(sum(n for _, n in batch))
         self.metrics.batch_sequences.observe(len(batch))
-        self.admission.record_step(sum(n for _, n in batch), seconds)
+        self.admission.costs.record(sum(n for _, n in batch), seconds)
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

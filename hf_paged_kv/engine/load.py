@@ -25,7 +25,7 @@ class LoadControl:
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         if self.controller is not None:
-            if engine.limits.ttft_target is None:  # triage the queue by the target (Admission._in_turn)
+            if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
             for name, knob in self.controller.knobs.items():
                 engine.metrics.knobs.labels(name).set(knob.value)
@@ -38,15 +38,18 @@ class LoadControl:
 
     def refuses(self, priority: int) -> bool:
         """Whether a request of `priority` is refused now: its priority is shed, and it would
-        queue behind a request already past its time-to-first-token target. The state keeps its
-        dwell, but once the late backlog is gone nothing is turned away: on bench_load's trace a
-        drained pool idled for 4 s while the overload state's dwell refused every retry."""
-        return (self.controller is not None and priority < self.controller.shed_below
-                and self._late_backlog(time.monotonic()))
+        queue behind a request (of its priority or above) already past its time-to-first-token
+        target. The state keeps its dwell, but once the late backlog is gone nothing is turned
+        away: on bench_load's trace a drained pool idled for 4 s while the overload state's
+        dwell refused every retry."""
+        if self.controller is None or priority >= self.controller.shed_below:
+            return False
+        now = time.monotonic()
+        return any(self._late(r, now) and r.effective_priority >= priority for r in list(self.engine.scheduler.waiting))
 
-    def _late_backlog(self, now: float) -> bool:
-        """A request that has not started streaming waits past its time-to-first-token target."""
-        return any(now - r.arrived > self.slo.ttft and not r.generated for r in list(self.engine.scheduler.waiting))
+    def _late(self, request: Request, now: float) -> bool:
+        """Waiting past the time-to-first-token target without a token yet (not preempted)."""
+        return not request.generated and now - request.arrived > self.slo.ttft
 
     def finished(self, request: Request) -> None:
         if request.first_token is None:
@@ -81,9 +84,8 @@ class LoadControl:
             return
         if engine.limits.demote_ahead:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
-        shed = self.controller.shed_below
-        for request in list(engine.scheduler.waiting):  # not one that streamed tokens (preempted)
-            if request.effective_priority < shed and now - request.arrived > self.slo.ttft and not request.generated:
+        for request in list(engine.scheduler.waiting):
+            if request.effective_priority < self.controller.shed_below and self._late(request, now):
                 engine.turn_away(request)
 
     def _counted(self, knob: str, value: float) -> None:

@@ -146,6 +146,10 @@ class Request:
         """Tokens still to feed before the next token can be sampled."""
         return len(self.prompt) + len(self.generated) - self.computed
 
+    def ends_prompt(self, count: int) -> bool:
+        """Whether feeding `count` more tokens ends the prompt: the forward samples the first token."""
+        return not self.generated and count == self.remaining
+
     @property
     def effective_priority(self) -> int:
         """A request preempted again and again gains priority (no starvation)."""

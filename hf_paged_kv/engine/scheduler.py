@@ -37,7 +37,7 @@ class Limits:
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
-    ttft_target: float | None = None  # s; set: waiting requests that can no longer meet it yield (see Admission)
+    ttft_target: float | None = None  # s; set: admission triages by it (late requests yield, partial chunks wait)
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks

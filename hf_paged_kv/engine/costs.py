@@ -1,0 +1,36 @@
+"""What the engine's recent steps cost: the figures admission orders the queue by, preemption
+weighs swapping against recomputing with, and `retry_after` promises from."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class StepCosts:
+    def __init__(self, window: int = 32):
+        self.recent: deque = deque(maxlen=window)  # (tokens, seconds) of the last `window` steps
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.recent.append((tokens, seconds))
+
+    def seconds_per_token(self) -> float:
+        """The mean cost of a token, each step's fixed cost shared among its tokens."""
+        tokens = sum(t for t, _ in self.recent)
+        return sum(s for _, s in self.recent) / tokens if tokens else 0.0
+
+    def marginal_seconds_per_token(self) -> float:
+        """What one more token adds to a step: the slope of step time over step tokens (a step's
+        fixed cost, large for small decode steps, is not per token); the mean cost per token
+        while the steps are too alike to fit a slope."""
+        tokens = np.array([t for t, _ in self.recent], dtype=float)
+        if len(tokens) < 2 or tokens.std() < 1.0:
+            return self.seconds_per_token()
+        slope = np.polyfit(tokens, [s for _, s in self.recent], 1)[0]
+        return max(float(slope), 0.0)
+
+    def throughput(self) -> float:
+        """Tokens per second over the recent steps."""
+        seconds = sum(s for _, s in self.recent)
+        return sum(t for t, _ in self.recent) / seconds if seconds else 0.0
