@@ -10,6 +10,7 @@ import torch
 
 from hf_paged_kv import KVPool
 from hf_paged_kv.engine.admission import LATE_YIELD, Admission
+from hf_paged_kv.engine.costs import StepCosts
 from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits, Scheduler
@@ -25,7 +26,8 @@ def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token
     pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
     scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
     admit = Admission(pool, scheduler)
-    admit.costs.record(100, 100 * seconds_per_token)  # the recent cost of a token
+    admit.costs.record(1, seconds_per_token)  # the recent cost of a token, no fixed cost per step
+    admit.costs.record(100, 100 * seconds_per_token)
     return admit
 
 
@@ -94,24 +96,45 @@ def test_a_preempted_request_never_yields_and_priority_still_comes_first():
 
 def test_with_a_target_a_partial_chunk_waits_for_a_forward_without_first_tokens():
     """A forward that already ends prompts takes no partial chunk of another when the chunk
-    would delay their first tokens by more than a tenth of the target; nothing behind it in the
-    order is admitted either, and it starts in the next forward. A cheap chunk is not deferred,
-    and without a target the budget is filled."""
+    would delay their first tokens by more than a tenth of the target, and nothing behind it in
+    the order is admitted (not even a request of its priority that fits, as memory would let
+    pass). A cheap chunk is not deferred, and without a target the budget is filled."""
     def burst(ttft_target):
         admit, now = admission(seconds_per_token=0.001, ttft_target=ttft_target), time.monotonic()
         short, middle, long_ = (queue(admit, n, now, first=100 * i) for i, n in enumerate((10, 20, 60)))
-        lower = queue(admit, 5, now, priority=-1, first=400)  # after long_ in the order, fits what is left
-        return admit, short, middle, long_, lower
-    admit, short, middle, long_, lower = burst(ttft_target=0.1)  # 20 tokens x 1 ms > 0.01 s
+        later = queue(admit, 5, now + 0.2, first=400)  # after long_ in the order, fits what is left
+        return admit, short, middle, long_, later
+    admit, short, middle, long_, later = burst(ttft_target=0.1)  # 20 tokens x 1 ms > 0.01 s
     assert admitted(admit, budget=50) == [short, middle]
-    assert admitted(admit, budget=50) == [long_]  # next forward: it starts, partially
-    admit, short, middle, long_, lower = burst(ttft_target=0.05)  # 8 tokens x 1 ms > 0.005 s
+    assert admitted(admit, budget=50) == [long_]  # a forward without first tokens: it starts
+    admit, short, middle, long_, later = burst(ttft_target=0.05)  # 8 tokens x 1 ms > 0.005 s
     assert admitted(admit, budget=8, ends_prompts=True) == []  # the running part ends a prompt already
     assert admitted(admit, budget=8) == [short]  # a forward of decodes only: it starts
-    admit, short, middle, long_, lower = burst(ttft_target=5.0)  # a 0.02 s delay against 5 s: not worth a forward
+    admit, short, middle, long_, later = burst(ttft_target=5.0)  # a 0.02 s delay against 5 s: not worth a forward
     assert admitted(admit, budget=50) == [short, middle, long_]
-    admit, short, middle, long_, lower = burst(ttft_target=None)
+    admit, short, middle, long_, later = burst(ttft_target=None)
     assert admitted(admit, budget=50) == [short, middle, long_]
+
+
+def test_a_deferral_counts_cached_prefixes_and_leaves_the_pool_untouched():
+    """Whether a prompt's chunk is partial is judged on what it would inherit; deferring it
+    references, touches and counts nothing. A resumed request is never deferred."""
+    admit, now = admission(seconds_per_token=0.001, ttft_target=0.05), time.monotonic()
+    cached = list(range(3, 83))  # 80 tokens in 20 cached blocks, as an earlier request leaves them
+    blocks = admit.pool.allocate(20)
+    admit.pool.reuse.index_sequence(MODEL, "default", Sequence(blocks=blocks, length=80, tokens=cached,
+                                                                history=bytearray(b"\x01" * 80)), 0)
+    admit.pool.decref(blocks)
+    follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 8 tokens to compute
+    follow_up.arrived = now
+    admit.scheduler.enqueue(follow_up)
+    assert admitted(admit, budget=10, ends_prompts=True) == [follow_up] and follow_up.inherited == 80
+    long_ = queue(admit, 40, now, first=900)  # nothing cached: 40 tokens
+    before = admit.pool.stats()
+    assert admitted(admit, budget=10, ends_prompts=True) == []
+    assert admit.pool.stats() == before and long_.sequence.blocks == [] and long_.computed == 0
+    long_.generated = [5]  # as if preempted after its first token: resuming is never deferred
+    assert admitted(admit, budget=10, ends_prompts=True) == [long_]
 
 
 def test_a_chunk_ends_a_prompt_only_before_the_first_token():
@@ -122,12 +145,21 @@ def test_a_chunk_ends_a_prompt_only_before_the_first_token():
 
 
 def test_the_marginal_cost_of_a_token_leaves_out_a_steps_fixed_cost():
-    admit = admission(seconds_per_token=0.001)  # one step recorded: the mean
-    assert admit.costs.marginal_seconds_per_token() == pytest.approx(0.001)
-    for tokens in (1, 41, 256, 1, 5):  # 0.1 s per forward, 3 ms per token
-        admit.costs.record(tokens, 0.1 + 0.003 * tokens)
-    assert admit.costs.marginal_seconds_per_token() == pytest.approx(0.003, rel=0.1)
-    assert admit.costs.seconds_per_token() > 0.003  # the mean counts the fixed costs too
+    costs = StepCosts()
+    costs.record(4, 0.2)
+    assert costs.marginal_seconds_per_token() == 0.0  # no spread of step sizes yet: no evidence
+    costs.recent.clear()
+    for tokens in (1, 41, 256, 1, 5):  # 0.1 s per step, 3 ms per token
+        costs.record(tokens, 0.1 + 0.003 * tokens)
+    assert costs.marginal_seconds_per_token() == pytest.approx(0.003)
+    assert costs.seconds_per_token() > 0.003  # the mean counts the fixed costs too
+    for _ in range(40):  # a quiet spell of alike decode steps: the last slope stands
+        costs.record(3, 0.15)
+    assert costs.marginal_seconds_per_token() == pytest.approx(0.003)
+    costs.recent.clear()
+    for tokens in (1, 64, 128, 2):  # time falling with tokens (noise): never negative
+        costs.record(tokens, 0.3 - 0.001 * tokens)
+    assert costs.marginal_seconds_per_token() == 0.0
 
 
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all

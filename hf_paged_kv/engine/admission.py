@@ -26,8 +26,9 @@ from .scheduler import Scheduler
 # to those that still can, before it takes its turn again: a bound on how long triage delays it
 LATE_YIELD = 4.0
 # the share of the time-to-first-token target by which a partial prompt chunk may delay the first
-# tokens of its forward; a longer delay defers the chunk to the next forward
+# tokens of its forward; a longer delay defers the chunk to a later forward
 PARTIAL_DELAY = 0.1
+DEFERRED = 0  # `Admission._try`'s answer for such a chunk (a chunk it admits has at least a token)
 
 
 class Admission:
@@ -55,9 +56,12 @@ class Admission:
         their first tokens by more than `PARTIAL_DELAY` targets (at the marginal cost of a
         token): on bench_load's CPU trace three short prompts missed a 0.99 s target by
         0.01-0.03 s behind 87 tokens of a longer one in a 0.9 s forward. Nothing behind it in
-        this step's order is admitted; it starts in the first forward where it comes first in
-        the order or no prompt ends before it (the order's aging bounds how long that takes)."""
+        this step's order is admitted; it starts in the first forward where no prompt ends
+        before it (the running part's included) or its chunk is cheap enough. Running prefills
+        are few and the order's aging bounds how often later arrivals go first, so that comes."""
         admitted, blocked = [], None
+        target = self.scheduler.limits.ttft_target
+        per_token = self.costs.marginal_seconds_per_token() if target is not None else 0.0
         if model is not None:
             self.model = model
         self.digests = {r.id: self.digests[r.id] for r in self.scheduler.waiting if r.id in self.digests}
@@ -71,8 +75,9 @@ class Admission:
             if self._never_fits(request):
                 self.on_impossible(request)
                 continue
-            count = self._try(request, budget, whole=ends_prompts and self._partial_delays(budget))
-            if count == 0:  # deferred: its partial chunk would delay this forward's first tokens
+            delays = target is not None and budget * per_token > PARTIAL_DELAY * target
+            count = self._try(request, budget, whole=ends_prompts and delays)
+            if count == DEFERRED:
                 break
             if count is None:
                 blocked = blocked or request
@@ -90,12 +95,6 @@ class Admission:
             budget -= count
             ends_prompts = ends_prompts or request.ends_prompt(count)
         return admitted
-
-    def _partial_delays(self, chunk: int) -> bool:
-        """Whether a forward `chunk` tokens longer delays its first tokens past `PARTIAL_DELAY`
-        of the time-to-first-token target (never without a target)."""
-        target = self.scheduler.limits.ttft_target
-        return target is not None and chunk * self.costs.marginal_seconds_per_token() > PARTIAL_DELAY * target
 
     def _in_turn(self) -> list[Request]:
         """The waiting requests by priority, then by when their prompt would be in had it started
@@ -127,6 +126,14 @@ class Admission:
                                        self._digest_pairs(request))
         return len(tokens) - cached["device"]
 
+    def _inheritable(self, request: Request) -> int:
+        """Tokens that inheriting the request's cached prefix would store: its blocks in any tier,
+        up to the block before its last token (a probe: nothing is referenced, touched or moved)."""
+        tokens, size = request.tokens(), self.pool.block_size
+        found = self.pool.reuse.probe(self.model, request.tenant, tokens, self.pool.tiers.has,
+                                      self._digest_pairs(request))
+        return min(sum(found.values()), (len(tokens) - 1) // size * size)
+
     def _never_fits(self, request: Request) -> bool:
         """Whether the request's tokens need more blocks than the pool has without its pins."""
         pinned = self.pool.stats()["blocks_pinned"]
@@ -134,16 +141,18 @@ class Admission:
 
     def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
         """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
-        nothing held) when memory does not allow it, or 0 (nothing held) when `whole` and a new
-        prompt's uncached part does not fit in `budget`."""
+        nothing held) when memory does not allow it, or `DEFERRED` (nothing held, touched or
+        moved) when `whole` and a new prompt's uncached part does not fit in `budget`."""
         tokens = request.tokens()
         with self.pool.locked():
+            if whole and not request.generated:
+                stored = self._inheritable(request)
+                if len(tokens) - stored > budget:
+                    fits = self.scheduler.admissible(request, stored // self.pool.block_size)
+                    return DEFERRED if fits else None
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
                 lambda digest, after: self.pool.promote(digest, self.model, after))
-            if whole and not request.generated and len(tokens) - length > budget:
-                self.pool.decref(blocks)
-                return 0
             if not self.scheduler.admissible(request, len(blocks)):
                 self.pool.decref(blocks)
                 return None

@@ -163,7 +163,7 @@ class Controller:
             return
         if short["per_token_p95"] > self.slo.per_token:
             value = knob.value * 0.75
-        elif (short["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token
+        elif (current["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token
               and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
             value = knob.value * 1.25
         else:

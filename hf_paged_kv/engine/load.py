@@ -48,7 +48,7 @@ class LoadControl:
         return any(self._late(r, now) and r.effective_priority >= priority for r in list(self.engine.scheduler.waiting))
 
     def _late(self, request: Request, now: float) -> bool:
-        """Waiting past the time-to-first-token target without a token yet (not preempted)."""
+        """Waiting past the time-to-first-token target, and not one that has streamed tokens."""
         return not request.generated and now - request.arrived > self.slo.ttft
 
     def finished(self, request: Request) -> None:
