@@ -38,6 +38,16 @@ def queue(admit: Admission, length: int, arrived: float, priority: int = 0, firs
     return request
 
 
+def cache_prefix(admit: Admission, owner: str = "default") -> list[int]:
+    """80 tokens in 20 cached blocks of `owner`, as an earlier request leaves them."""
+    cached = list(range(3, 83))
+    blocks = admit.pool.allocate(20)
+    admit.pool.reuse.index_sequence(MODEL, owner, Sequence(blocks=blocks, length=80, tokens=cached,
+                                                           history=bytearray(b"\x01" * 80)), 0)
+    admit.pool.decref(blocks)
+    return cached
+
+
 def admitted(admit: Admission, budget: int = 10_000, ends_prompts: bool = False) -> list[Request]:
     chosen = admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics(), ends_prompts)
     return [request for request, _ in chosen]
@@ -120,11 +130,7 @@ def test_a_deferral_counts_cached_prefixes_and_leaves_the_pool_untouched():
     """Whether a prompt's chunk is partial is judged on what it would inherit; deferring it
     references, touches and counts nothing. A resumed request is never deferred."""
     admit, now = admission(seconds_per_token=0.001, ttft_target=0.05), time.monotonic()
-    cached = list(range(3, 83))  # 80 tokens in 20 cached blocks, as an earlier request leaves them
-    blocks = admit.pool.allocate(20)
-    admit.pool.reuse.index_sequence(MODEL, "default", Sequence(blocks=blocks, length=80, tokens=cached,
-                                                                history=bytearray(b"\x01" * 80)), 0)
-    admit.pool.decref(blocks)
+    cached = cache_prefix(admit, "default")
     follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 8 tokens to compute
     follow_up.arrived = now
     admit.scheduler.enqueue(follow_up)
@@ -165,11 +171,7 @@ def test_the_marginal_cost_of_a_token_leaves_out_a_steps_fixed_cost():
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all
 def test_cached_tokens_do_not_count_as_work(owner):
     admit, now = admission(), time.monotonic()
-    cached = list(range(3, 83))  # 80 tokens in 20 cached blocks, as an earlier request leaves them
-    blocks = admit.pool.allocate(20)
-    admit.pool.reuse.index_sequence(MODEL, owner, Sequence(blocks=blocks, length=80, tokens=cached,
-                                                           history=bytearray(b"\x01" * 80)), 0)
-    admit.pool.decref(blocks)
+    cached = cache_prefix(admit, owner)
     fresh = queue(admit, 40, now, first=900)
     follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 88 tokens, 8 of them to compute
     follow_up.arrived = now
