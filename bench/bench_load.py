@@ -211,7 +211,6 @@ def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
         mean_running=float(np.mean([s[1] for s in samples])) if samples else 0.0,
         max_waiting=max((s[2] for s in samples), default=0),
         inherited=run.extra.get("stats", {}).get("tokens_inherited"),
-        lent=run.extra.get("stats", {}).get("preemptions_lent"),
     )
 
 
@@ -244,7 +243,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
         f"SLO targets: time to first token {slo.ttft:g} s, per-token latency {slo.per_token:g} s ({how}).",
     ]
     header = ["system", "availability (peak)", "priority 1 availability", "goodput req/s", "completed",
-              "refused (gave up)", "refusals / retries", "lost", "preemptions (of them lent)", "peak KV MiB (share)",
+              "refused (gave up)", "refusals / retries", "lost", "preemptions", "peak KV MiB (share)",
               "max / mean running", "max waiting"]
     rows = []
     for name in names:
@@ -252,8 +251,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
         rows.append([name, f"{s['availability']:.1%} ({s['availability_peak']:.1%})", f"{s['high_availability']:.1%}",
                      f"{s['goodput']:.3f}", f"{s['completed']} of {s['submitted']}", s["refused"],
                      f"{s['refusals']} / {s['retries']}", s["lost"],
-                     "-" if s["preemptions"] is None else
-                     s["preemptions"] if s["lent"] is None else f"{s['preemptions']} ({s['lent']})",
+                     "-" if s["preemptions"] is None else s["preemptions"],
                      f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})", f"{s['max_running']:.0f} / "
                      f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}"])
     lines += ["", "**Service** (availability: requests completed within both targets / requests submitted; time to "

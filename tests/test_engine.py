@@ -5,6 +5,7 @@ sampling, streaming, load shedding and shared prefixes."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 
 import pytest
@@ -59,10 +60,11 @@ def test_batched_requests_equal_generate_alone(arch):
 
 
 @pytest.mark.parametrize("controller", [False, True])
-def test_preempted_requests_resume_with_identical_output(controller):
+def test_preempted_requests_resume_with_identical_output(controller, caplog):
     """A pool too small for all of them at once: sequences are preempted (full blocks stay
     cached, the partial one is swapped or recomputed) and still give generate's tokens, with
-    the controller's admission rules or without."""
+    the controller's admission rules or without; every preemption is logged."""
+    caplog.set_level(logging.INFO, logger="hf_paged_kv.engine")
     model = make_model("llama", seed=4)
     batch = prompts([30, 26, 35, 28, 31, 33], seed=10)
     expected = [alone(model, p, new=24) for p in batch]
@@ -75,6 +77,7 @@ def test_preempted_requests_resume_with_identical_output(controller):
     stats = engine.stats()
     assert stats["preemptions"] > 0 and stats["requests_failed"] == 0
     assert "hf_paged_kv_preemptions_total" in engine.prometheus()
+    assert caplog.text.count("preempted request") == stats["preemptions"]
     assert_pool_clean(engine.pool)
 
 

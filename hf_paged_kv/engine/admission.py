@@ -22,7 +22,6 @@ from ..sequence import Sequence
 from .costs import StepCosts
 from .request import Request
 from .scheduler import Scheduler
-from .slack import lending_order
 
 log = logging.getLogger("hf_paged_kv.engine")
 
@@ -43,16 +42,14 @@ class Admission:
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.copy_seconds_per_block = 0.0
         self.digests: dict[int, tuple[tuple, list]] = {}  # request id -> (what it hashed, its digest pairs)
-        self.blocked: Request | None = None  # the first request memory turned away at the last admission
-        self.borrower: Request | None = None  # admitted first in this step: a decode lent it its blocks (`slack`)
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
         self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, counters: dict, metrics,
               ends_prompts: bool) -> list[tuple[Request, int]]:
-        """Admit waiting requests in turn (`_in_turn`; a borrower first, lenders out while it
-        waits: `slack`) while the memory rule and the budget allow. When memory turns one away, later requests of its priority that fit may pass it
+        """Admit waiting requests in turn (`_in_turn`) while the memory rule and the budget
+        allow. When memory turns one away, later requests of its priority that fit may pass it
         while it has waited less than `Limits.backfill_wait` (a burst's short prompts need not
         queue behind a long one); after that, and by a lower priority, it is never passed.
 
@@ -73,8 +70,7 @@ class Admission:
         if model is not None:
             self.model = model
         self.digests = {r.id: self.digests[r.id] for r in self.scheduler.waiting if r.id in self.digests}
-        now = time.monotonic()
-        for request in lending_order(self._in_turn(), self.scheduler.waiting, self.borrower, now):
+        for request in self._in_turn():
             if not self.scheduler.room_for_more(budget):
                 break
             if blocked is not None and request.effective_priority < blocked.effective_priority:
@@ -90,7 +86,7 @@ class Admission:
                 break
             if count is None:
                 blocked = blocked or request
-                if now - blocked.arrived >= self.scheduler.limits.backfill_wait:
+                if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
                     break
                 continue
             self.scheduler.waiting.remove(request)
@@ -103,7 +99,6 @@ class Admission:
             admitted.append((request, count))
             budget -= count
             ends_prompts = ends_prompts or request.ends_prompt(count)
-        self.blocked = blocked
         return admitted
 
     def _in_turn(self) -> list[Request]:
@@ -122,26 +117,26 @@ class Admission:
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
 
         def turn(request: Request) -> tuple[int, float]:
-            compute = self.uncached(request) * per_token
+            compute = self._uncached(request) * per_token
             late = target is not None and not request.generated and now + compute > request.arrived + target
             return -request.effective_priority, request.arrived + compute + (LATE_YIELD * target if late else 0.0)
 
         return sorted(self.scheduler.waiting, key=turn)
 
-    def uncached(self, request: Request) -> int:
+    def _uncached(self, request: Request) -> int:
         """Tokens of the request not in cached blocks of the device pool, its own or published
         (a probe: nothing is claimed)."""
         tokens = request.tokens()
         cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None,
-                                       self.digest_pairs(request))
+                                       self._digest_pairs(request))
         return len(tokens) - cached["device"]
 
-    def inheritable(self, request: Request) -> int:
+    def _inheritable(self, request: Request) -> int:
         """Tokens that inheriting the request's cached prefix would store: its blocks in any tier,
         up to the block before its last token (a probe: nothing is referenced, touched or moved)."""
         tokens, size = request.tokens(), self.pool.block_size
         found = self.pool.reuse.probe(self.model, request.tenant, tokens, self.pool.tiers.has,
-                                      self.digest_pairs(request))
+                                      self._digest_pairs(request))
         return min(sum(found.values()), (len(tokens) - 1) // size * size)
 
     def _never_fits(self, request: Request) -> bool:
@@ -156,7 +151,7 @@ class Admission:
         tokens = request.tokens()
         with self.pool.locked():
             if whole and not request.generated:
-                stored = self.inheritable(request)
+                stored = self._inheritable(request)
                 if len(tokens) - stored > budget:
                     fits = self.scheduler.admissible(request, stored // self.pool.block_size)
                     return DEFERRED if fits else None
@@ -201,7 +196,7 @@ class Admission:
         return brought
 
     # ---------------------------------------------------- shared prefixes
-    def digest_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
+    def _digest_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
         """The digests of the request's full blocks, its tenant's and the published ones, hashed
         once per request and length (every step orders the whole queue: hashing a 1000-token
         prompt takes about 90 us)."""
@@ -216,7 +211,7 @@ class Admission:
 
     def _chain(self, request: Request) -> list[bytes]:
         """The tenant's digests of the request's full blocks before its last token."""
-        pairs = self.digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
+        pairs = self._digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
         return [own for own, _ in pairs]
 
     def _waits_for_inflight(self, request: Request) -> bool:

@@ -26,10 +26,7 @@ With the controller, the engine also admits by the time-to-first-token target
 (`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
 it yields, for a bounded time, to those that still can (the order changes only when the queue
 is already late), and a forward that already ends prompts starts no other with a partial chunk
-that would delay their first tokens by more than a tenth of the target. With the per-token
-target too (`Limits.per_token_target`, set to `SLO.per_token` unless given), a running decode
-whose slack against it covers the pause lends its blocks to a request that memory turned away
-and that can still meet its first-token target (`slack`).
+that would delay their first tokens by more than a tenth of the target.
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

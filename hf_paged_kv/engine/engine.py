@@ -20,7 +20,6 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from functools import partial
 
 import torch
 
@@ -37,7 +36,6 @@ from .metrics import EngineMetrics
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
 from .scheduler import Limits, Scheduler
-from .slack import lend
 
 IDLE_WAIT = 0.05  # seconds the loop sleeps when there is nothing to do
 
@@ -74,9 +72,8 @@ class Engine:
             f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV, more than the pool can hold "
             f"({self.pool.num_blocks} blocks of {self.pool.block_size}); use a larger KVPool or a shorter request"))
         self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
-                                       "requests_failed", "preemptions", "preemptions_lent", "max_running",
-                                       "tokens_prefilled", "tokens_inherited", "tokens_prefetched", "tokens_generated",
-                                       "steps"), 0)
+                                       "requests_failed", "preemptions", "max_running", "tokens_prefilled",
+                                       "tokens_inherited", "tokens_prefetched", "tokens_generated", "steps"), 0)
         self.incoming: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
@@ -127,7 +124,7 @@ class Engine:
             self.load.signals.record("rejection")
             why = (f"{backlog} requests are waiting (max_waiting={self.limits.max_waiting})"
                    if backlog >= self.limits.max_waiting else f"overloaded: priority {priority} is shed for now")
-            raise Overloaded(self.load.retry_after(), why)
+            raise Overloaded(self.retry_after(), why)
         request = Request(ids, params, tenant=tenant, priority=priority)
         if seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(seed)
@@ -139,6 +136,12 @@ class Engine:
         request.cancel_requested = outcome
         self.cancelled.put(request)
         self.wakeup.set()
+
+    def retry_after(self) -> float:
+        """An honest wait: the queued tokens over the recent throughput (at least a second)."""
+        queued = sum(r.remaining + r.params.max_new_tokens for r in list(self.scheduler.waiting))
+        rate = self.admission.costs.throughput()
+        return max(1.0, queued / rate) if rate > 0 else 5.0
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
@@ -183,8 +186,7 @@ class Engine:
             for request, _ in batch:
                 self._end(request, "failed", RequestFailed(f"request {request.id} does not fit in the pool: {error}"))
             return True
-        if self.counters["preemptions"] == preemptions:  # no admission in a step that preempted for memory
-            batch = lend(self.admission, batch, partial(self._preempt, lent=True))  # see `slack`
+        if self.counters["preemptions"] == preemptions:  # no admission in a step that preempted
             self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
                                                                           self.limits.prefetch_watermark)
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
@@ -249,14 +251,12 @@ class Engine:
     def turn_away(self, request: Request) -> None:
         """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
         self.load.signals.record("rejection")
-        self._end(request, "rejected", Overloaded(self.load.retry_after(), "overloaded: this priority is shed for now"))
+        self._end(request, "rejected", Overloaded(self.retry_after(), "overloaded: this priority is shed for now"))
 
-    def _preempt(self, request: Request, lent: bool = False) -> None:
-        if not lent:  # a lending is chosen, not memory running out: no pressure signal (see `slack`)
-            self.load.signals.record("preemption")
+    def _preempt(self, request: Request) -> None:
+        self.load.signals.record("preemption")
         mode = self.admission.preempt(request)
         self.counters["preemptions"] += 1
-        self.counters["preemptions_lent"] += lent
         self.metrics.preemptions.labels(mode).inc()
 
     def _observe(self, batch, seconds: float) -> None:

@@ -27,8 +27,6 @@ class LoadControl:
         if self.controller is not None:
             if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
-            if engine.limits.per_token_target is None:  # decodes with slack lend blocks (see `slack`)
-                engine.limits.per_token_target = slo.per_token
             for name, knob in self.controller.knobs.items():
                 engine.metrics.knobs.labels(name).set(knob.value)
             engine.metrics.controller_state.labels("normal").set(1)
@@ -48,12 +46,6 @@ class LoadControl:
             return False
         now = time.monotonic()
         return any(self._late(r, now) and r.effective_priority >= priority for r in list(self.engine.scheduler.waiting))
-
-    def retry_after(self) -> float:
-        """An honest wait: the queued tokens over the recent throughput (at least a second)."""
-        queued = sum(r.remaining + r.params.max_new_tokens for r in list(self.engine.scheduler.waiting))
-        rate = self.engine.admission.costs.throughput()
-        return max(1.0, queued / rate) if rate > 0 else 5.0
 
     def _late(self, request: Request, now: float) -> bool:
         """Waiting past the time-to-first-token target, and not one that has streamed tokens."""
@@ -110,8 +102,7 @@ class LoadControl:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
         settings = ({"state": "off"} if self.controller is None else
-                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,
-                                                    "per_token_target": self.engine.limits.per_token_target})
+                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target})
         return self.counts | {
             "goodput": within / elapsed,
             "availability": within / submitted if submitted else 1.0,

@@ -134,9 +134,6 @@ class Request:
     inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
-    lent_to: Request | None = None  # the request it lent its blocks to (`slack`), while it waits for it
-    lent_until: float = 0.0  # when that wait ends at the latest; set once: a request lends once at most
-    borrowed: bool = False  # a running decode lent this request its blocks (once at most)
 
     def tokens(self) -> list[int]:
         """The prompt and every generated token: what the sequence must hold before the next

@@ -5,7 +5,7 @@ next chunk of the prefills in progress, then new requests. A new request is admi
 the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
 sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
 which decays while memory holds and is reset by a preemption (SGLang's rule) – and never in a
-step that preempted for memory. Waiting requests are admitted by priority, then shortest expected prompt
+step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
 first with aging, and, given a time-to-first-token target, those that can still meet it before
 those that cannot, and in a forward that already ends prompts no other prompt starts with a
 partial chunk that would delay their first tokens by more than a tenth of the target (see
@@ -17,9 +17,7 @@ When a running sequence needs a block and the pool has none to give, the schedul
 victim – lowest priority first, then the cheapest to resume – instead of failing: its full
 blocks stay cached for its return, its partial last block is kept in host memory when copying
 it back is cheaper than recomputing it, and it goes back to the queue with its priority raised
-by one (so a request cannot be preempted forever). Given both targets (`ttft_target`,
-`per_token_target`), a decode with slack may also be preempted to lend its blocks to a request
-about to miss its first token, which is then admitted first in that step (see `slack`).
+by one (so a request cannot be preempted forever).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ class Limits:
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
     ttft_target: float | None = None  # s; set: admission triages by it (late requests yield, partial chunks wait)
-    per_token_target: float | None = None  # s; with ttft_target: decodes with slack lend blocks (`slack`)
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
@@ -61,9 +58,6 @@ class Limits:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
         if self.ttft_target is not None and self.ttft_target <= 0:
             raise ValueError(f"Limits.ttft_target must be > 0 seconds (or None: no triage), got {self.ttft_target}")
-        if self.per_token_target is not None and self.per_token_target <= 0:
-            raise ValueError(f"Limits.per_token_target must be > 0 seconds (or None: no lending), "
-                             f"got {self.per_token_target}")
 
 
 class Scheduler:
@@ -106,23 +100,18 @@ class Scheduler:
     def reserve(self) -> int:
         """Blocks to keep for the running sequences' growth: their unfed tokens, and a share of
         what they may still generate."""
-        return int(sum(self.growth(request) for request in self.running)) + len(self.running)
-
-    def growth(self, request: Request) -> float:
-        """Blocks a running request's unfed tokens and a share of its remaining output take."""
-        to_generate = request.params.max_new_tokens - len(request.generated)
-        return (request.remaining + self.growth_ratio * to_generate) / self.pool.block_size
-
-    def shortfall(self, request: Request, inherited_blocks: int) -> int:
-        """Blocks memory lacks to admit the request: its uncached tokens and the running ones'
-        reserve, beyond the available blocks (the watermark kept free); 0 or less: it fits."""
-        needed = -(-(len(request.tokens()) + 1) // self.pool.block_size) - inherited_blocks
-        keep_free = int(self.limits.watermark * self.pool.num_blocks)
-        return needed + self.reserve() - (self.pool.num_available() - keep_free)
+        size, total = self.pool.block_size, 0.0
+        for request in self.running:
+            to_generate = request.params.max_new_tokens - len(request.generated)
+            total += (request.remaining + self.growth_ratio * to_generate) / size
+        return int(total) + len(self.running)
 
     def admissible(self, request: Request, inherited_blocks: int) -> bool:
         """Whether memory covers the request's uncached tokens and the running ones' reserve."""
-        return self.shortfall(request, inherited_blocks) <= 0
+        size = self.pool.block_size
+        needed = -(-(len(request.tokens()) + 1) // size) - inherited_blocks
+        keep_free = int(self.limits.watermark * self.pool.num_blocks)
+        return self.pool.num_available() - keep_free >= needed + self.reserve()
 
     def room_for_more(self, budget: int) -> bool:
         return budget > 0 and len(self.running) < self.limits.max_running

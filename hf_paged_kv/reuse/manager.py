@@ -105,19 +105,6 @@ class ReuseManager:
             found[tier] += self.block_size
         return found
 
-    def device_blocks(self, pairs: list[tuple[bytes, bytes]]) -> list[int]:
-        """The device blocks indexed under the leading `pairs` (a block's own digest or its
-        published one, from `PrefixIndex.digest_pairs`), up to the first that is not on the
-        device; nothing is referenced or touched."""
-        now, blocks = self.policy.now(), []
-        for mine, published in pairs:
-            block = self.index.lookup(mine, now)
-            block = self.index.lookup(published, now) if block is None else block
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
-
     def references(self) -> dict[str, int]:
         """References the reuse machinery holds: one per pinned block and pin, one per semantic
         entry's partial block."""
