@@ -89,14 +89,11 @@ def test_engine_frees_workers_at_start_and_when_idle():
     holding = os_threads()
     try:
         engine.start()
-        started = os_threads()
+        started = settled(holding - WORKERS + 1)
         assert started == holding - WORKERS + 1  # this thread's workers freed; the engine's thread
         prompt = torch.randint(3, 4096, (200,), generator=torch.Generator().manual_seed(0)).tolist()
         assert len(engine.submit(prompt, max_new_tokens=4, eos_token_id=[-1]).result(timeout=60)) == 4
-        deadline = time.monotonic() + 5
-        while os_threads() != started and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert os_threads() == started  # idle again: its own workers freed
+        assert settled(started, timeout=5.0) == started  # idle again: its own workers freed
     finally:
         engine.stop()
         hf_paged_kv.disable(model)
