@@ -33,7 +33,9 @@ Reported per system: availability (requests completed within both targets, time 
 counted from the first submission, / requests submitted), goodput, p50/p95/p99 time to first token
 and per-token latency overall and at the peak (requests arriving in the middle third of the trace),
 refusals, retries, lost requests, preemptions, peak KV, concurrency; a plot of load, queue, KV usage,
-controller state and latency over time.
+controller state and latency over time. And what this machine allows any schedule: an upper bound
+on availability from the model's own forward times on this trace (`feasibility.py`), and the
+tightest time-to-first-token target at which that bound reaches 99.5%.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from bench_engine import (
     load,
     log_uniform,
     mib,
+    model_alone,
     pct,
     per_token,
     pick_device,
@@ -65,6 +68,7 @@ from bench_engine import (
     stop_ids,
 )
 from common import Checks, arguments, markdown_table, model_name, note, prompts_of_lengths
+from feasibility import forward_line, most_in_time, uncached_tokens
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool
@@ -166,6 +170,30 @@ def calibrate(model, reqs: list[Req], stop: list[int], size: dict) -> dict:
     return dict(ttft_alone=statistics.median(alone), per_token_together=statistics.median(together))
 
 
+def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int) -> dict:
+    """What any schedule could do on this machine (`feasibility`): the line under the model's
+    forward times, the most requests whose first token can come within `ttft`, and the least
+    time-to-first-token target (within 2%) for which the bound reaches 99.5%."""
+    sizes = sorted({1, batch_tokens // 8, batch_tokens // 2, batch_tokens})
+    fixed, per_token = forward_line(lambda n: model_alone(plain, reqs, 0, [(n, 1)]), sizes)
+    prompts, arrivals = [r.prompt for r in reqs], [r.arrival for r in reqs]
+
+    def in_time(target: float) -> int:
+        tokens = uncached_tokens(prompts, arrivals, target)
+        return most_in_time(arrivals, [per_token * u for u in tokens], target, fixed)
+
+    enough = math.ceil(0.995 * len(reqs))
+    low, high = 0.0, ttft
+    while in_time(high) < enough:
+        low, high = high, 2 * high
+    while high - low > 0.02 * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if in_time(middle) >= enough else (middle, high)
+    tokens = uncached_tokens(prompts, arrivals, ttft)
+    return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=in_time(ttft), tokens=sum(tokens),
+                enough_ttft=high)
+
+
 def round2(x: float) -> float:
     """Two significant digits."""
     return float(f"{x:.2g}")
@@ -218,7 +246,7 @@ def three(values, digits=2) -> str:
     return " / ".join(fmt(v, digits) for v in values)
 
 
-def report(args, size, reqs, slo, how, names, summaries, calibration, every_run) -> str:
+def report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound) -> str:
     duration = size["minutes"] * 60
     n = len(reqs)
     kinds = {k: sum(1 for r in reqs if r.group.startswith(k)) for k in ("system", "conversation")}
@@ -276,6 +304,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
     ]
     lines += ["", "**Targets** (the engine with the controller):", "",
               markdown_table(["target", "measured", "wanted", "met"], rows)]
+    lines += ["", bound_text(reqs, slo, bound)]
     if calibration:
         lines += ["", f"Calibration on this machine: time to first token alone {calibration['ttft_alone']:.3f} s "
                       f"(median of 4 typical requests served one at a time), per-token latency of 8 requests decoding "
@@ -294,6 +323,19 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
                   "engines and transformers CB start with the client thread's idle OpenMP workers released "
                   "(`hf_paged_kv.engine.openmp`)."]
     return "\n".join(lines)
+
+
+def bound_text(reqs: list[Req], slo: SLO, bound: dict) -> str:
+    n = len(reqs)
+    return (f"**What this machine allows** (an upper bound for any schedule, `bench/feasibility.py`): a forward of the "
+            f"model alone over n tokens takes at least {bound['fixed'] * 1e3:.0f} ms + {bound['per_token'] * 1e3:.2f} "
+            f"ms x n here (a line under the median of 5 timings at n = {', '.join(map(str, bound['sizes']))}); counting "
+            f"only the prompt tokens that no other request arriving before the deadline shares ({bound['tokens']} of "
+            f"{sum(len(r.prompt) for r in reqs)}), with decoding and everything but the model free, no schedule gives "
+            f"more than {bound['most']} of the {n} requests their first token within {slo.ttft:g} s: availability "
+            f"<= {bound['most'] / n:.1%} on this trace at this machine's speed. The bound reaches 99.5% from a "
+            f"time-to-first-token target of {bound['enough_ttft']:.2g} s ({bound['enough_ttft'] / slo.ttft:.2g}x this "
+            "run's).")
 
 
 def plot(args, size, reqs, slo, names, runs) -> str:
@@ -418,6 +460,9 @@ def main() -> int:
                                   else ""))
     note(f"SLO: ttft {slo.ttft} s, per-token {slo.per_token} s")
     thresholds = Thresholds(dwell=size["dwell"], tick=size["tick"])
+    note("timing the model alone for the bound on what any schedule could do")
+    bound = machine_bound(plain, reqs, slo.ttft, size["batch_tokens"])
+    note(f"bound: at most {bound['most']} of {len(reqs)} first tokens in time")
 
     systems = {
         "engine, controller on": lambda: serve_engine(model, reqs, stop, size, "engine, controller on", True, slo,
@@ -452,7 +497,7 @@ def main() -> int:
             failed = [o.error for o in run.outcomes if o.error and not o.refused and "deadline" not in o.error]
             checks.expect(not failed, f"{name}: {len(failed)} requests failed ({failed[:2]})")
     every_run = {name: [summarize(run, reqs, slo, duration)["availability"] for run in runs[name]] for name in names}
-    body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run)
+    body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound)
     if not checks.failures:
         body += "\n\n" + plot(args, size, reqs, slo, names, picked)
     return checks.finish("load", body, args.smoke)

@@ -27,8 +27,8 @@ EXPECTED = {
         systems=["sequential generate", "micro-batches of", "transformers CB", "engine"],
         tables=4),
     "bench_load": dict(
-        texts=["### Tidal load", "SLO targets:", "**Service**", "**Latency**", "**Targets**", "Method:",
-               "![load, queue, KV usage"],
+        texts=["### Tidal load", "SLO targets:", "**Service**", "**Latency**", "**Targets**", "**What this machine allows**",
+               "Method:", "![load, queue, KV usage"],
         systems=["engine, controller on", "engine, controller off", "transformers CB"],
         tables=3),
 }
@@ -94,3 +94,93 @@ def test_smoke_run_prints_its_tables_and_writes_nothing(runs, script):
         assert any(cell.startswith(system) for cell in first_column), (system, first_column)
     assert "FAILED CHECKS" not in stdout
     assert docs_state() == before, "a smoke run touched docs/"
+
+
+# ------------------------------------------------------------- the bound on what any schedule could do
+
+@pytest.fixture()
+def feasibility(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("feasibility")
+
+
+def edf_meets_all(arrivals, works, ttft) -> bool:
+    """Whether preemptive earliest-deadline-first on one server (no fixed cost per forward) gives
+    every request its work before arrival + ttft: exact for that model, EDF being optimal there."""
+    pending, t, events = [], 0.0, sorted(zip(arrivals, works))
+    i = 0
+    while i < len(events) or pending:
+        if not pending:
+            t = max(t, events[i][0])
+        while i < len(events) and events[i][0] <= t + 1e-12:
+            pending.append([events[i][0] + ttft, events[i][1]])
+            i += 1
+        pending.sort()
+        deadline, work = pending[0]
+        run = min(work, (events[i][0] - t) if i < len(events) else work)
+        t += run
+        pending[0][1] -= run
+        if pending[0][1] <= 1e-12:
+            if t > deadline + 1e-9:
+                return False
+            pending.pop(0)
+    return True
+
+
+def test_the_bound_counts_what_one_span_cannot_hold(feasibility):
+    most = feasibility.most_in_time
+    assert most([0, 0], [0.6, 0.6], ttft=1.0, fixed=0.0) == 1  # 1.2 s of work in 1 s
+    assert most([0, 0], [0.6, 0.6], ttft=1.2, fixed=0.0) == 2
+    assert most([0, 0], [0.5, 0.5], ttft=1.0, fixed=0.1) == 1  # one forward's fixed cost on top
+    assert most([0], [0.5], ttft=1.0, fixed=0.6) == 0  # even alone
+    assert most([0, 0, 0], [0.2, 0.9, 0.3], ttft=1.0, fixed=0.0) == 2  # the largest goes
+    # disjoint overloaded spans add up; an easy request between them costs nothing
+    assert most([0, 0, 5, 10, 10], [0.6, 0.6, 0.1, 0.6, 0.6], ttft=1.0, fixed=0.0) == 3
+    # a later arrival within the span still has to share it
+    assert most([0, 0.5], [0.8, 0.8], ttft=1.0, fixed=0.0) == 1
+
+
+def test_the_bound_is_never_below_what_a_schedule_achieves(feasibility):
+    """Exhaustively on small random traces: the largest set of requests that preemptive EDF serves
+    in time (a real schedule in the bound's model with no fixed cost) never exceeds the bound."""
+    import itertools
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    tight = 0
+    for _ in range(150):
+        n = int(rng.integers(1, 7))
+        arrivals = sorted(rng.uniform(0, 3, n).round(2).tolist())
+        works = rng.uniform(0.05, 0.8, n).round(2).tolist()
+        best = max(len(s) for k in range(n + 1) for s in itertools.combinations(range(n), k)
+                   if edf_meets_all([arrivals[i] for i in s], [works[i] for i in s], 1.0))
+        bound = feasibility.most_in_time(arrivals, works, 1.0, 0.0)
+        assert best <= bound <= n
+        assert feasibility.most_in_time(arrivals, works, 1.0, 0.1) <= bound  # a fixed cost only takes away
+        tight += best == bound
+    assert tight >= 140  # and it is seldom loose on traces this small
+
+
+def test_uncached_tokens_count_only_what_no_request_in_time_shares(feasibility):
+    system = [1, 2, 3, 4]
+    prompts = [system + [5, 6], system + [7], [9, 9, 9], system + [5, 6, 8]]
+    arrivals = [0.0, 0.5, 0.6, 10.0]
+    # the first shares its system prompt with the second (arriving before its deadline), the second
+    # with the first; the third shares nothing; the last extends the first (long gone: cached)
+    assert feasibility.uncached_tokens(prompts, arrivals, ttft=1.0) == [2, 1, 3, 1]
+    # the first cannot count on the second when it arrives after its deadline
+    assert feasibility.uncached_tokens(prompts, [0.0, 1.5, 1.6, 10.0], ttft=1.0) == [6, 1, 3, 1]
+    assert feasibility.uncached_tokens([[5, 5], [5, 5]], [0, 0], ttft=1.0) == [1, 1]  # the last token is computed
+
+
+def test_forward_line_lies_under_every_median(feasibility):
+    timings = {1: [0.11, 0.10, 0.30], 32: [0.16, 0.15, 0.15], 128: [0.36, 0.34, 0.35], 256: [0.62, 0.70, 0.61]}
+    calls = {n: iter([0.0] + t if n == 256 else t) for n, t in timings.items()}  # the first call warms up
+    fixed, per_token = feasibility.forward_line(lambda n: next(calls[n]), sorted(timings), repeats=3)
+    medians = {1: 0.11, 32: 0.15, 128: 0.35, 256: 0.62}
+    assert all(fixed + per_token * n <= m + 1e-12 for n, m in medians.items())
+    assert abs(fixed + per_token - 0.11) < 1e-12  # through the smallest forward
+    assert abs(fixed + per_token * 32 - 0.15) < 1e-12  # the least slope that stays under the others
+    with pytest.raises(ValueError, match="two different sizes"):
+        feasibility.forward_line(lambda n: 0.1, [8, 8])

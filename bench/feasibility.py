@@ -1,0 +1,100 @@
+"""How many first tokens *any* schedule could deliver within a target on this machine: an upper
+bound on availability, measured in the same run as the systems it bounds.
+
+A serving benchmark that misses its availability target has to say whether a better scheduler
+could have met it or whether the machine cannot. The bound answers that from two measurements of
+the model alone and the trace itself, with every simplification on the optimistic side:
+
+* **Forwards.** A forward over n tokens takes at least `fixed + per_token * n` seconds: a line
+  under the median times of the model alone (no cache, no engine) at several n up to the batch
+  budget. Forwards run one after another, and a request's first token comes out of the forward
+  that takes its last prompt token, after it arrived.
+* **Reuse.** A request computes only the prompt tokens that no other request arriving before its
+  deadline has in common with it (the longest common prefix, not rounded down to whole blocks,
+  and always cached when wanted); at least its last token.
+* **Nothing else costs.** Decoding, sampling, cache writes and scheduling are free, and the
+  per-token target is ignored.
+
+Then for requests j..k in arrival order (their deadlines `arrival + ttft` are in the same order),
+every request of them served in time was computed inside `[arrival_j, arrival_k + ttft]` in at
+least one forward: the most of them in time is the most smallest works that fit in that span less
+one forward's fixed cost. Spans that do not overlap hold different forwards and different
+requests, so the misses they force add up; the best set of disjoint spans (a weighted interval
+schedule) gives the fewest misses any schedule must have.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+
+import numpy as np
+
+WINDOW = 256  # the longest run of requests one span covers (bounds the cost on long traces)
+
+
+def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[float, float]:
+    """`(fixed, per_token)` seconds: a line under the median of `repeats` timings of
+    `time_forward(n)` (seconds for one forward over n tokens) at each n in `sizes` (at least two;
+    the sizes alternate, so that a slow spell of the machine touches them all). The line goes
+    through the smallest forward's median with the least slope that keeps every other median on or
+    above it (the smallest forward's time is the steadiest and almost all fixed cost)."""
+    if len(set(sizes)) < 2:
+        raise ValueError(f"forward_line needs at least two different sizes, got {sizes}")
+    sizes = sorted(set(sizes))
+    time_forward(sizes[-1])  # warm-up
+    timings = {n: [] for n in sizes}
+    for _ in range(repeats):
+        for n in sizes:
+            timings[n].append(time_forward(n))
+    medians = {n: statistics.median(t) for n, t in timings.items()}
+    first = sizes[0]
+    per_token = max(0.0, min((medians[n] - medians[first]) / (n - first) for n in sizes[1:]))
+    fixed = max(0.0, min(medians[n] - per_token * n for n in sizes))
+    return fixed, per_token
+
+
+def uncached_tokens(prompts: list[list[int]], arrivals: list[float], ttft: float) -> list[int]:
+    """Per request, its prompt tokens less the longest prefix it shares with another request that
+    arrives before its deadline (`arrival + ttft`); at least 1."""
+    order = sorted(range(len(prompts)), key=lambda i: prompts[i])  # neighbours share the longest prefixes
+    rank = {i: r for r, i in enumerate(order)}
+    out = []
+    for j, prompt in enumerate(prompts):
+        shared = 0
+        for step in (-1, 1):  # the nearest eligible neighbour on each side shares the most
+            r = rank[j] + step
+            while 0 <= r < len(order) and arrivals[order[r]] > arrivals[j] + ttft:
+                r += step
+            if 0 <= r < len(order):
+                shared = max(shared, common_prefix(prompt, prompts[order[r]]))
+        out.append(max(1, len(prompt) - shared))
+    return out
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(differ[0]) if len(differ) else n
+
+
+def most_in_time(arrivals: list[float], works: list[float], ttft: float, fixed: float) -> int:
+    """The most requests any schedule can give their first token within `ttft` of arrival, when
+    request i needs `works[i]` seconds of forwards after it arrives and each forward costs `fixed`
+    more (see the module's docstring)."""
+    order = np.argsort(arrivals, kind="stable")
+    t = np.asarray(arrivals, dtype=float)[order]
+    w = np.asarray(works, dtype=float)[order]
+    n = len(t)
+    after = np.searchsorted(t, t + ttft, side="left")  # the first request a span ending at t[k] + ttft leaves out
+    misses = np.zeros(n + 1, dtype=int)  # misses[i]: misses that disjoint spans force among requests i..
+    for i in range(n - 1, -1, -1):
+        best = misses[i + 1]
+        kept: list[float] = []
+        for k in range(i, min(n, i + WINDOW)):
+            bisect.insort(kept, w[k])
+            room = t[k] + ttft - t[i] - fixed
+            fit = int(np.searchsorted(np.cumsum(kept), room, side="right")) if room > 0 else 0
+            best = max(best, len(kept) - fit + misses[after[k]])
+        misses[i] = best
+    return n - int(misses[0])
