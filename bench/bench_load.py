@@ -191,7 +191,7 @@ def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int) -> dic
         low, high = (low, middle) if in_time(middle) >= enough else (middle, high)
     tokens = uncached_tokens(prompts, arrivals, ttft)
     return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=in_time(ttft), tokens=sum(tokens),
-                enough_ttft=high)
+                short_ttft=low, enough_ttft=high)
 
 
 def round2(x: float) -> float:
@@ -327,15 +327,17 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
 
 def bound_text(reqs: list[Req], slo: SLO, bound: dict) -> str:
     n = len(reqs)
-    return (f"**What this machine allows** (an upper bound for any schedule, `bench/feasibility.py`): a forward of the "
-            f"model alone over n tokens takes at least {bound['fixed'] * 1e3:.0f} ms + {bound['per_token'] * 1e3:.2f} "
-            f"ms x n here (a line under the median of 5 timings at n = {', '.join(map(str, bound['sizes']))}); counting "
-            f"only the prompt tokens that no other request arriving before the deadline shares ({bound['tokens']} of "
-            f"{sum(len(r.prompt) for r in reqs)}), with decoding and everything but the model free, no schedule gives "
+    floor_pct = math.floor(1000 * bound["most"] / n) / 10
+    return (f"**What this machine allows** (an upper bound for any schedule, `bench/feasibility.py`): here a forward "
+            f"of the model alone over n tokens took at least {bound['fixed'] * 1e3:.0f} ms + "
+            f"{bound['per_token'] * 1e3:.2f} ms x n (a line under the medians of 5 timings at n = "
+            f"{', '.join(map(str, bound['sizes']))}). With forwards costing no less than that line, only the prompt "
+            f"tokens that no other request arriving before the deadline shares counted ({bound['tokens']} of "
+            f"{sum(len(r.prompt) for r in reqs)}), and decoding and everything but the model free, no schedule gives "
             f"more than {bound['most']} of the {n} requests their first token within {slo.ttft:g} s: availability "
-            f"<= {bound['most'] / n:.1%} on this trace at this machine's speed. The bound reaches 99.5% from a "
-            f"time-to-first-token target of {bound['enough_ttft']:.2g} s ({bound['enough_ttft'] / slo.ttft:.2g}x this "
-            "run's).")
+            f"at most {floor_pct:.1f}% on this trace at this machine's speed. The bound first allows 99.5% at a "
+            f"time-to-first-token target between {bound['short_ttft']:.3g} s and {bound['enough_ttft']:.3g} s "
+            f"(about {bound['enough_ttft'] / slo.ttft:.2g}x this run's).")
 
 
 def plot(args, size, reqs, slo, names, runs) -> str:

@@ -15,12 +15,16 @@ the model alone and the trace itself, with every simplification on the optimisti
 * **Nothing else costs.** Decoding, sampling, cache writes and scheduling are free, and the
   per-token target is ignored.
 
+The bound holds as far as the line does: it is measured, on medians, so "at least" means on this
+machine in the run that measured it.
+
 Then for requests j..k in arrival order (their deadlines `arrival + ttft` are in the same order),
 every request of them served in time was computed inside `[arrival_j, arrival_k + ttft]` in at
 least one forward: the most of them in time is the most smallest works that fit in that span less
 one forward's fixed cost. Spans that do not overlap hold different forwards and different
 requests, so the misses they force add up; the best set of disjoint spans (a weighted interval
-schedule) gives the fewest misses any schedule must have.
+schedule) gives the fewest misses any schedule must have. Spans are capped (`WINDOW`,
+`SPAN_TARGETS`) to keep long traces cheap; a span left out only loosens the bound.
 """
 
 from __future__ import annotations
@@ -30,7 +34,11 @@ import statistics
 
 import numpy as np
 
-WINDOW = 256  # the longest run of requests one span covers (bounds the cost on long traces)
+# Spans considered: at most this many requests and this many targets long (bounds the cost on long,
+# busy traces; leaving spans out only loosens the bound)
+WINDOW = 256
+SPAN_TARGETS = 16
+SLACK = 1e-9  # relative: a schedule that fits exactly counts as in time, float rounding included
 
 
 def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[float, float]:
@@ -38,9 +46,10 @@ def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[floa
     `time_forward(n)` (seconds for one forward over n tokens) at each n in `sizes` (at least two;
     the sizes alternate, so that a slow spell of the machine touches them all). The line goes
     through the smallest forward's median with the least slope that keeps every other median on or
-    above it (the smallest forward's time is the steadiest and almost all fixed cost)."""
-    if len(set(sizes)) < 2:
-        raise ValueError(f"forward_line needs at least two different sizes, got {sizes}")
+    above it (the smallest forward's time is the steadiest and almost all fixed cost); where that
+    line would cross zero, through the origin instead. Both parts are >= 0."""
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise ValueError(f"forward_line needs at least two different sizes of >= 1 token, got {sizes}")
     sizes = sorted(set(sizes))
     time_forward(sizes[-1])  # warm-up
     timings = {n: [] for n in sizes}
@@ -50,7 +59,9 @@ def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[floa
     medians = {n: statistics.median(t) for n, t in timings.items()}
     first = sizes[0]
     per_token = max(0.0, min((medians[n] - medians[first]) / (n - first) for n in sizes[1:]))
-    fixed = max(0.0, min(medians[n] - per_token * n for n in sizes))
+    fixed = min(medians[n] - per_token * n for n in sizes)
+    if fixed < 0:
+        per_token, fixed = min(medians[n] / n for n in sizes if n > 0), 0.0
     return fixed, per_token
 
 
@@ -82,6 +93,8 @@ def most_in_time(arrivals: list[float], works: list[float], ttft: float, fixed: 
     """The most requests any schedule can give their first token within `ttft` of arrival, when
     request i needs `works[i]` seconds of forwards after it arrives and each forward costs `fixed`
     more (see the module's docstring)."""
+    if ttft <= 0:
+        raise ValueError(f"the time-to-first-token target must be > 0, got {ttft}")
     order = np.argsort(arrivals, kind="stable")
     t = np.asarray(arrivals, dtype=float)[order]
     w = np.asarray(works, dtype=float)[order]
@@ -92,9 +105,11 @@ def most_in_time(arrivals: list[float], works: list[float], ttft: float, fixed: 
         best = misses[i + 1]
         kept: list[float] = []
         for k in range(i, min(n, i + WINDOW)):
+            if t[k] - t[i] > SPAN_TARGETS * ttft:
+                break
             bisect.insort(kept, w[k])
             room = t[k] + ttft - t[i] - fixed
-            fit = int(np.searchsorted(np.cumsum(kept), room, side="right")) if room > 0 else 0
+            fit = int(np.searchsorted(np.cumsum(kept), room + SLACK * max(1.0, abs(room)), side="right"))
             best = max(best, len(kept) - fit + misses[after[k]])
         misses[i] = best
     return n - int(misses[0])

@@ -138,11 +138,30 @@ def test_the_bound_counts_what_one_span_cannot_hold(feasibility):
     assert most([0, 0, 5, 10, 10], [0.6, 0.6, 0.1, 0.6, 0.6], ttft=1.0, fixed=0.0) == 3
     # a later arrival within the span still has to share it
     assert most([0, 0.5], [0.8, 0.8], ttft=1.0, fixed=0.0) == 1
+    # exactly in time counts as in time, float rounding (0.1 + 0.2 > 0.3) included
+    assert most([0], [0.0], ttft=1.0, fixed=1.0) == 1
+    assert most([0, 0], [0.1, 0.2], ttft=0.3, fixed=0.0) == 2
+    # more requests in one span than it considers: the bound only loosens
+    assert 100 <= most([0.0] * 300, [0.01] * 300, ttft=1.0, fixed=0.0) < 300
+    with pytest.raises(ValueError, match="must be > 0"):
+        most([0], [0.1], ttft=0.0, fixed=0.0)
+
+
+def one_forward_each_meets_all(arrivals, works, ttft, fixed) -> bool:
+    """Whether serving each request in a forward of its own (costing `fixed` + its work), in
+    deadline order, each as soon as it has arrived and the last forward ended, meets every deadline."""
+    end = 0.0
+    for arrival, work in sorted(zip(arrivals, works)):
+        end = max(end, arrival) + fixed + work
+        if end > arrival + ttft + 1e-9:
+            return False
+    return True
 
 
 def test_the_bound_is_never_below_what_a_schedule_achieves(feasibility):
     """Exhaustively on small random traces: the largest set of requests that preemptive EDF serves
-    in time (a real schedule in the bound's model with no fixed cost) never exceeds the bound."""
+    in time (a real schedule in the bound's model with no fixed cost), or that one forward per
+    request serves with a fixed cost, never exceeds the bound."""
     import itertools
 
     import numpy as np
@@ -153,11 +172,14 @@ def test_the_bound_is_never_below_what_a_schedule_achieves(feasibility):
         n = int(rng.integers(1, 7))
         arrivals = sorted(rng.uniform(0, 3, n).round(2).tolist())
         works = rng.uniform(0.05, 0.8, n).round(2).tolist()
-        best = max(len(s) for k in range(n + 1) for s in itertools.combinations(range(n), k)
+        subsets = [s for k in range(n + 1) for s in itertools.combinations(range(n), k)]
+        best = max(len(s) for s in subsets
                    if edf_meets_all([arrivals[i] for i in s], [works[i] for i in s], 1.0))
         bound = feasibility.most_in_time(arrivals, works, 1.0, 0.0)
         assert best <= bound <= n
-        assert feasibility.most_in_time(arrivals, works, 1.0, 0.1) <= bound  # a fixed cost only takes away
+        best_fixed = max(len(s) for s in subsets
+                         if one_forward_each_meets_all([arrivals[i] for i in s], [works[i] for i in s], 1.0, 0.1))
+        assert best_fixed <= feasibility.most_in_time(arrivals, works, 1.0, 0.1) <= bound
         tight += best == bound
     assert tight >= 140  # and it is seldom loose on traces this small
 
@@ -184,3 +206,7 @@ def test_forward_line_lies_under_every_median(feasibility):
     assert abs(fixed + per_token * 32 - 0.15) < 1e-12  # the least slope that stays under the others
     with pytest.raises(ValueError, match="two different sizes"):
         feasibility.forward_line(lambda n: 0.1, [8, 8])
+    # a chord through the smallest forward that would cross zero: the line goes through the origin
+    steep = {1: 0.010, 32: 0.5, 256: 4.0}
+    fixed, per_token = feasibility.forward_line(lambda n: steep[n], sorted(steep), repeats=1)
+    assert fixed == 0.0 and all(per_token * n <= t for n, t in steep.items())
