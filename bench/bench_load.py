@@ -178,20 +178,22 @@ def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int) -> dic
     fixed, per_token = forward_line(lambda n: model_alone(plain, reqs, 0, [(n, 1)]), sizes)
     prompts, arrivals = [r.prompt for r in reqs], [r.arrival for r in reqs]
 
-    def in_time(target: float) -> int:
+    def in_time(target: float) -> tuple[int, int]:
+        """The most requests in time at `target`, and the prompt tokens the bound counts."""
         tokens = uncached_tokens(prompts, arrivals, target)
-        return most_in_time(arrivals, [per_token * u for u in tokens], target, fixed)
+        return most_in_time(arrivals, [per_token * u for u in tokens], target, fixed), sum(tokens)
 
+    most, tokens = in_time(ttft)
     enough = math.ceil(0.995 * len(reqs))
-    low, high = 0.0, ttft
-    while in_time(high) < enough:
+    low, high, reached = 0.0, ttft, most
+    while reached < enough:
         low, high = high, 2 * high
+        reached = in_time(high)[0]
     while high - low > 0.02 * high:
         middle = (low + high) / 2
-        low, high = (low, middle) if in_time(middle) >= enough else (middle, high)
-    tokens = uncached_tokens(prompts, arrivals, ttft)
-    return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=in_time(ttft), tokens=sum(tokens),
-                short_ttft=low, enough_ttft=high)
+        low, high = (low, middle) if in_time(middle)[0] >= enough else (middle, high)
+    return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=most, tokens=tokens, short_ttft=low,
+                enough_ttft=high)
 
 
 def round2(x: float) -> float:

@@ -61,7 +61,7 @@ def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[floa
     per_token = max(0.0, min((medians[n] - medians[first]) / (n - first) for n in sizes[1:]))
     fixed = min(medians[n] - per_token * n for n in sizes)
     if fixed < 0:
-        per_token, fixed = min(medians[n] / n for n in sizes if n > 0), 0.0
+        per_token, fixed = min(medians[n] / n for n in sizes), 0.0
     return fixed, per_token
 
 
