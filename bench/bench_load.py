@@ -34,8 +34,9 @@ counted from the first submission, / requests submitted), goodput, p50/p95/p99 t
 and per-token latency overall and at the peak (requests arriving in the middle third of the trace),
 refusals, retries, lost requests, preemptions, peak KV, concurrency; a plot of load, queue, KV usage,
 controller state and latency over time. And what this machine allows any schedule: an upper bound
-on availability from the model's own forward times on this trace (`feasibility.py`), and the
-tightest time-to-first-token target at which that bound reaches 99.5%.
+on availability from the model's own forward times on this trace (`feasibility.py`), the
+tightest time-to-first-token target at which that bound reaches 99.5%, and lower bounds on the
+p50/p95/p99 time to first token at the peak.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ from bench_engine import (
     stop_ids,
 )
 from common import Checks, arguments, markdown_table, model_name, note, prompts_of_lengths
-from feasibility import forward_line, most_in_time, uncached_tokens
+from feasibility import forward_line, most_in_time, ttft_floors, uncached_tokens
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool
@@ -170,10 +171,11 @@ def calibrate(model, reqs: list[Req], stop: list[int], size: dict) -> dict:
     return dict(ttft_alone=statistics.median(alone), per_token_together=statistics.median(together))
 
 
-def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int) -> dict:
+def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int, duration: float) -> dict:
     """What any schedule could do on this machine (`feasibility`): the line under the model's
-    forward times, the most requests whose first token can come within `ttft`, and the least
-    time-to-first-token target (within 2%) for which the bound reaches 99.5%."""
+    forward times, the most requests whose first token can come within `ttft`, the least
+    time-to-first-token target (within 2%) for which the bound reaches 99.5%, and lower bounds on
+    the p50/p95/p99 time to first token of the requests arriving at the peak."""
     sizes = sorted({1, batch_tokens // 8, batch_tokens // 2, batch_tokens})
     fixed, per_token = forward_line(lambda n: model_alone(plain, reqs, 0, [(n, 1)]), sizes)
     prompts, arrivals = [r.prompt for r in reqs], [r.arrival for r in reqs]
@@ -192,8 +194,15 @@ def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int) -> dic
     while high - low > 0.02 * high:
         middle = (low + high) / 2
         low, high = (low, middle) if in_time(middle)[0] >= enough else (middle, high)
+    peak = [i for i, r in enumerate(reqs) if at_peak(r, duration)]
+
+    def in_time_at_peak(target: float) -> int:
+        tokens = uncached_tokens(prompts, arrivals, target)  # shared with any request, peak or not
+        return most_in_time([arrivals[i] for i in peak], [per_token * tokens[i] for i in peak], target, fixed)
+
+    floors = ttft_floors(in_time_at_peak, len(peak), fixed + per_token)
     return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=most, tokens=tokens, short_ttft=low,
-                enough_ttft=high)
+                enough_ttft=high, peak=len(peak), peak_ttft=[pct(floors, q) for q in (50, 95, 99)])
 
 
 def round2(x: float) -> float:
@@ -210,11 +219,16 @@ def in_slo(o, slo: SLO) -> bool:
     return o.first - o.arrival <= slo.ttft and (tok is None or tok <= slo.per_token)
 
 
+def at_peak(r: Req, duration: float) -> bool:
+    """Whether `r` arrives in the middle third of the trace, around the tide's peak."""
+    return duration / 3 <= r.arrival < 2 * duration / 3
+
+
 def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
-    peak = [duration / 3 <= r.arrival < 2 * duration / 3 for r in reqs]
+    peak = [at_peak(r, duration) for r in reqs]
     outs = run.outcomes
     done = [o for o in outs if completed(o)]
-    at_peak = [o for o, p in zip(outs, peak) if p and completed(o)]
+    done_at_peak = [o for o, p in zip(outs, peak) if p and completed(o)]
 
     def ttft(os):
         return [o.first - o.arrival for o in os]
@@ -232,8 +246,8 @@ def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
         high_availability=(sum(in_slo(o, slo) for o in outs if o.priority == 1)
                            / max(1, sum(1 for o in outs if o.priority == 1))),
         goodput=within / duration,
-        ttft=[pct(ttft(done), q) for q in (50, 95, 99)], ttft_peak=[pct(ttft(at_peak), q) for q in (50, 95, 99)],
-        tok=[pct(tok(done), q) for q in (50, 95, 99)], tok_peak=[pct(tok(at_peak), q) for q in (50, 95, 99)],
+        ttft=[pct(ttft(done), q) for q in (50, 95, 99)], ttft_peak=[pct(ttft(done_at_peak), q) for q in (50, 95, 99)],
+        tok=[pct(tok(done), q) for q in (50, 95, 99)], tok_peak=[pct(tok(done_at_peak), q) for q in (50, 95, 99)],
         refused=sum(1 for o in outs if o.refused), refusals=run.refusals, retries=run.retries,
         lost=sum(1 for o in outs if not completed(o) and not o.refused),
         preemptions=run.preemptions, peak_kv=run.peak_kv, peak_kv_share=run.peak_kv / kv_total,
@@ -306,7 +320,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
     ]
     lines += ["", "**Targets** (the engine with the controller):", "",
               markdown_table(["target", "measured", "wanted", "met"], rows)]
-    lines += ["", bound_text(reqs, slo, bound)]
+    lines += ["", bound_text(reqs, slo, bound, 0.5 * p99_off)]
     if calibration:
         lines += ["", f"Calibration on this machine: time to first token alone {calibration['ttft_alone']:.3f} s "
                       f"(median of 4 typical requests served one at a time), per-token latency of 8 requests decoding "
@@ -327,10 +341,11 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
     return "\n".join(lines)
 
 
-def bound_text(reqs: list[Req], slo: SLO, bound: dict) -> str:
+def bound_text(reqs: list[Req], slo: SLO, bound: dict, p99_wanted: float) -> str:
+    """The bound's paragraph; `p99_wanted`: the p99 time to first token at the peak the target asks for."""
     n = len(reqs)
     floor_pct = math.floor(1000 * bound["most"] / n) / 10
-    return (f"**What this machine allows** (an upper bound for any schedule, `bench/feasibility.py`): here a forward "
+    text = (f"**What this machine allows** (an upper bound for any schedule, `bench/feasibility.py`): here a forward "
             f"of the model alone over n tokens took at least {bound['fixed'] * 1e3:.0f} ms + "
             f"{bound['per_token'] * 1e3:.2f} ms x n (a line under the medians of 5 timings at n = "
             f"{', '.join(map(str, bound['sizes']))}). With forwards costing no less than that line, only the prompt "
@@ -340,6 +355,21 @@ def bound_text(reqs: list[Req], slo: SLO, bound: dict) -> str:
             f"at most {floor_pct:.1f}% on this trace at this machine's speed. The bound first allows 99.5% at a "
             f"time-to-first-token target between {bound['short_ttft']:.3g} s and {bound['enough_ttft']:.3g} s "
             f"(about {bound['enough_ttft'] / slo.ttft:.2g}x this run's).")
+    if not bound["peak"]:
+        return text
+    p50, p95, p99 = (math.floor(100 * x) / 100 for x in bound["peak_ttft"])  # rounded down, the safe side
+    if math.isnan(p99_wanted):
+        verdict = "the uncontrolled engine completed no request of the peak, so there is no target to compare it with"
+    elif p99 > p99_wanted:
+        verdict = (f"that p99 is above half the uncontrolled engine's ({p99_wanted:.2f} s): the target is out of this machine's "
+                   "reach on this trace at this speed")
+    else:
+        verdict = (f"that p99 is not above half the uncontrolled engine's ({p99_wanted:.2f} s): the bound does not "
+                   "rule the target out")
+    return text + (f" Latency at the peak, under the same bound: if at most k - 1 of the {bound['peak']} requests "
+                   f"arriving in the middle third can have their first token within a target, the k-th fastest of "
+                   f"them comes later, so any schedule that serves them all has p50 / p95 / p99 time to first token "
+                   f"at the peak of at least {p50:.2f} / {p95:.2f} / {p99:.2f} s; {verdict}.")
 
 
 def plot(args, size, reqs, slo, names, runs) -> str:
@@ -465,7 +495,7 @@ def main() -> int:
     note(f"SLO: ttft {slo.ttft} s, per-token {slo.per_token} s")
     thresholds = Thresholds(dwell=size["dwell"], tick=size["tick"])
     note("timing the model alone for the bound on what any schedule could do")
-    bound = machine_bound(plain, reqs, slo.ttft, size["batch_tokens"])
+    bound = machine_bound(plain, reqs, slo.ttft, size["batch_tokens"], duration)
     note(f"bound: at most {bound['most']} of {len(reqs)} first tokens in time")
 
     systems = {

@@ -25,6 +25,10 @@ one forward's fixed cost. Spans that do not overlap hold different forwards and 
 requests, so the misses they force add up; the best set of disjoint spans (a weighted interval
 schedule) gives the fewest misses any schedule must have. Spans are capped (`WINDOW`,
 `SPAN_TARGETS`) to keep long traces cheap; a span left out only loosens the bound.
+
+The same bound limits latency percentiles (`ttft_floors`): if at most k - 1 of a set of requests
+can have their first token within a target, the k-th fastest of them comes later than it, in any
+schedule that serves them all.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import numpy as np
 WINDOW = 256
 SPAN_TARGETS = 16
 SLACK = 1e-9  # relative: a schedule that fits exactly counts as in time, float rounding included
+STEP = 1.01  # successive targets of `ttft_floors`, 1% apart
 
 
 def forward_line(time_forward, sizes: list[int], repeats: int = 5) -> tuple[float, float]:
@@ -113,3 +118,22 @@ def most_in_time(arrivals: list[float], works: list[float], ttft: float, fixed: 
             best = max(best, len(kept) - fit + misses[after[k]])
         misses[i] = best
     return n - int(misses[0])
+
+
+def ttft_floors(in_time, count: int, start: float) -> list[float]:
+    """Lower bounds on the sorted times to first token of `count` requests in any schedule that
+    serves them all: the k-th fastest first token comes later than `floors[k - 1]` seconds after
+    its request's arrival. `in_time(target)` is an upper bound on how many of the requests can be
+    in time at `target` (`most_in_time` on them), read on targets 1% apart from `start` (> 0) up to
+    the first that allows all `count`. More time never serves fewer, so the count at a target is
+    also bounded by the count at any longer one: each is read as the least from it up. Then
+    `floors[k - 1]` is the longest target read at which fewer than k can be in time (0.0 where
+    `start` already allows k): between targets it rounds down, the safe side."""
+    if start <= 0:
+        raise ValueError(f"the first target must be > 0, got {start}")
+    targets, counts = [start], [in_time(start)]
+    while counts[-1] < count:
+        targets.append(targets[-1] * STEP)
+        counts.append(in_time(targets[-1]))
+    least_from = np.minimum.accumulate(counts[::-1])[::-1]
+    return [max((t for t, c in zip(targets, least_from) if c < k), default=0.0) for k in range(1, count + 1)]

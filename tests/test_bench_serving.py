@@ -210,3 +210,48 @@ def test_forward_line_lies_under_every_median(feasibility):
     steep = {1: 0.010, 32: 0.5, 256: 4.0}
     fixed, per_token = feasibility.forward_line(lambda n: steep[n], sorted(steep), repeats=1)
     assert fixed == 0.0 and all(per_token * n <= t for n, t in steep.items())
+
+
+def one_forward_each_ttfts(arrivals, works, fixed) -> list[float]:
+    """Sorted times to first token when each request, in arrival order, gets one forward of its own
+    (`fixed + work` seconds), as soon as the previous one is done."""
+    done, ttfts = 0.0, []
+    for t, w in sorted(zip(arrivals, works)):
+        done = max(done, t) + fixed + w
+        ttfts.append(done - t)
+    return sorted(ttfts)
+
+
+def test_ttft_floors_lie_under_what_a_schedule_achieves(feasibility):
+    """On random traces, the k-th fastest first token of a real schedule (one forward per request in
+    arrival order) is never within the k-th floor; with no fixed cost that schedule serves every
+    request in time exactly when the bound allows all, so the last floor lies within one 1% step of
+    its slowest first token."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        n = int(rng.integers(1, 12))
+        arrivals = rng.uniform(0, 3, n).round(2).tolist()
+        works = rng.uniform(0.05, 0.8, n).round(2).tolist()
+        for fixed in (0.0, 0.1):
+            floors = feasibility.ttft_floors(lambda target: feasibility.most_in_time(arrivals, works, target, fixed),
+                                             n, start=0.01)
+            achieved = one_forward_each_ttfts(arrivals, works, fixed)
+            assert floors == sorted(floors)
+            assert all(ttft > floor for ttft, floor in zip(achieved, floors))
+            if fixed == 0.0:
+                assert achieved[-1] <= floors[-1] * feasibility.STEP * (1 + 1e-9)
+
+
+def test_ttft_floors_by_hand(feasibility):
+    # two requests at once, one second of work each: the first token by 1 s at the soonest, the second by 2 s
+    floors = feasibility.ttft_floors(lambda target: feasibility.most_in_time([0, 0], [1, 1], target, 0.0), 2, 0.5)
+    assert 0.99 <= floors[0] < 1.0 and 1.98 <= floors[1] < 2.0
+    # a count that falls at a longer target bounds the shorter ones too (more time never serves fewer)
+    counts = iter([1, 0, 2])
+    assert feasibility.ttft_floors(lambda target: next(counts), 2, 1.0) == [1.01, 1.01]
+    # where the first target already allows k, nothing is claimed for the k-th
+    assert feasibility.ttft_floors(lambda target: 1 if target < 1.5 else 2, 2, 1.0)[0] == 0.0
+    with pytest.raises(ValueError, match="must be > 0"):
+        feasibility.ttft_floors(lambda target: 1, 1, 0.0)
