@@ -122,18 +122,16 @@ def most_in_time(arrivals: list[float], works: list[float], ttft: float, fixed: 
 
 def ttft_floors(in_time, count: int, start: float) -> list[float]:
     """Lower bounds on the sorted times to first token of `count` requests in any schedule that
-    serves them all: the k-th fastest first token comes later than `floors[k - 1]` seconds after
-    its request's arrival. `in_time(target)` is an upper bound on how many of the requests can be
-    in time at `target` (`most_in_time` on them), read on targets 1% apart from `start` (> 0) up to
-    the first that allows all `count`. More time never serves fewer, so the count at a target is
-    also bounded by the count at any longer one: each is read as the least from it up. Then
-    `floors[k - 1]` is the longest target read at which fewer than k can be in time (0.0 where
-    `start` already allows k): between targets it rounds down, the safe side."""
+    serves them all: the k-th fastest first token among them takes longer than `floors[k - 1]`
+    seconds. `in_time(target)` is an upper bound on how many of the requests can be in time at
+    `target` (`most_in_time` on them), read on targets 1% apart from `start` (> 0) up to the first
+    that allows all `count`. `floors[k - 1]` is the longest target read at which fewer than k can be
+    in time (0.0 where none is): more time never serves fewer, so that bounds every shorter target
+    too, whatever the counts read before it; between targets it rounds down, the safe side."""
     if start <= 0:
         raise ValueError(f"the first target must be > 0, got {start}")
     targets, counts = [start], [in_time(start)]
     while counts[-1] < count:
         targets.append(targets[-1] * STEP)
         counts.append(in_time(targets[-1]))
-    least_from = np.minimum.accumulate(counts[::-1])[::-1]
-    return [max((t for t, c in zip(targets, least_from) if c < k), default=0.0) for k in range(1, count + 1)]
+    return [max((t for t, c in zip(targets, counts) if c < k), default=0.0) for k in range(1, count + 1)]
