@@ -143,10 +143,10 @@ def build_trace(tokenizer, size: dict, seed: int = 0) -> list[Req]:
     return reqs
 
 
-
 def at_peak(r: Req, duration: float) -> bool:
     """Whether `r` arrives in the middle third of the trace, around the tide's peak."""
     return duration / 3 <= r.arrival < 2 * duration / 3
+
 
 # ------------------------------------------------------------------------------ calibration
 
