@@ -184,30 +184,27 @@ def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int, durati
     sizes = sorted({1, batch_tokens // 8, batch_tokens // 2, batch_tokens})
     fixed, per_token = forward_line(lambda n: model_alone(plain, reqs, 0, [(n, 1)]), sizes)
     prompts, arrivals = [r.prompt for r in reqs], [r.arrival for r in reqs]
+    everyone = range(len(reqs))
+    peak = [i for i in everyone if at_peak(reqs[i], duration)]
 
-    def in_time(target: float) -> tuple[int, int]:
-        """The most requests in time at `target`, and the prompt tokens the bound counts."""
-        tokens = uncached_tokens(prompts, arrivals, target)
-        return most_in_time(arrivals, [per_token * u for u in tokens], target, fixed), sum(tokens)
+    def in_time(target: float, among=everyone) -> int:
+        """The most requests of `among` in time at `target` (others left out: that only loosens it),
+        each computing the prompt tokens it shares with no request, of `among` or not, in time."""
+        uncached = uncached_tokens(prompts, arrivals, target)
+        return most_in_time([arrivals[i] for i in among], [per_token * uncached[i] for i in among], target, fixed)
 
-    most, tokens = in_time(ttft)
+    most = in_time(ttft)
     enough = math.ceil(0.995 * len(reqs))
     low, high, reached = 0.0, ttft, most
     while reached < enough:
         low, high = high, 2 * high
-        reached = in_time(high)[0]
+        reached = in_time(high)
     while high - low > 0.02 * high:
         middle = (low + high) / 2
-        low, high = (low, middle) if in_time(middle)[0] >= enough else (middle, high)
-    peak = [i for i, r in enumerate(reqs) if at_peak(r, duration)]
-
-    def in_time_at_peak(target: float) -> int:
-        """The most requests of the peak in time at `target` (the others left out: that only loosens it)."""
-        uncached = uncached_tokens(prompts, arrivals, target)  # prefixes shared with any request, peak or not
-        return most_in_time([arrivals[i] for i in peak], [per_token * uncached[i] for i in peak], target, fixed)
-
-    return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=most, tokens=tokens, short_ttft=low,
-                enough_ttft=high, peak_floors=ttft_floors(in_time_at_peak, len(peak), fixed + per_token))
+        low, high = (low, middle) if in_time(middle) >= enough else (middle, high)
+    return dict(fixed=fixed, per_token=per_token, sizes=sizes, most=most,
+                tokens=sum(uncached_tokens(prompts, arrivals, ttft)), short_ttft=low, enough_ttft=high,
+                peak_floors=ttft_floors(lambda target: in_time(target, peak), len(peak), fixed + per_token))
 
 
 def round2(x: float) -> float:

@@ -147,15 +147,20 @@ def test_the_bound_counts_what_one_span_cannot_hold(feasibility):
         most([0], [0.1], ttft=0.0, fixed=0.0)
 
 
+def one_forward_each_ttfts(arrivals, works, fixed) -> list[float]:
+    """Sorted times to first token when each request, in arrival order, gets one forward of its own
+    (`fixed + work` seconds), as soon as the previous one is done."""
+    done, ttfts = 0.0, []
+    for t, w in sorted(zip(arrivals, works)):
+        done = max(done, t) + fixed + w
+        ttfts.append(done - t)
+    return sorted(ttfts)
+
+
 def one_forward_each_meets_all(arrivals, works, ttft, fixed) -> bool:
-    """Whether serving each request in a forward of its own (costing `fixed` + its work), in
-    deadline order, each as soon as it has arrived and the last forward ended, meets every deadline."""
-    end = 0.0
-    for arrival, work in sorted(zip(arrivals, works)):
-        end = max(end, arrival) + fixed + work
-        if end > arrival + ttft + 1e-9:
-            return False
-    return True
+    """Whether serving each request in a forward of its own (`one_forward_each_ttfts`, deadline
+    order being arrival order) meets every deadline."""
+    return all(x <= ttft + 1e-9 for x in one_forward_each_ttfts(arrivals, works, fixed))
 
 
 def test_the_bound_is_never_below_what_a_schedule_achieves(feasibility):
@@ -210,16 +215,6 @@ def test_forward_line_lies_under_every_median(feasibility):
     steep = {1: 0.010, 32: 0.5, 256: 4.0}
     fixed, per_token = feasibility.forward_line(lambda n: steep[n], sorted(steep), repeats=1)
     assert fixed == 0.0 and all(per_token * n <= t for n, t in steep.items())
-
-
-def one_forward_each_ttfts(arrivals, works, fixed) -> list[float]:
-    """Sorted times to first token when each request, in arrival order, gets one forward of its own
-    (`fixed + work` seconds), as soon as the previous one is done."""
-    done, ttfts = 0.0, []
-    for t, w in sorted(zip(arrivals, works)):
-        done = max(done, t) + fixed + w
-        ttfts.append(done - t)
-    return sorted(ttfts)
 
 
 def test_ttft_floors_lie_under_what_a_schedule_achieves(feasibility):
