@@ -175,3 +175,35 @@ def test_a_refusal_after_a_budget_shrink_still_warns(model):
     assert pool.stats()["pins_refused"] == 2
     hf_paged_kv.unpin(model, explicit)
     assert_pool_clean(pool)
+
+
+def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
+    """The load controller halves the pin budget under memory pressure: pins beyond it give way,
+    lowest priority first, and come back when the budget grows again while their blocks are still
+    cached; one unpinned meanwhile, or whose blocks were evicted, does not."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.5))  # 20 blocks
+    system = tokens(48, 50)
+    high = hf_paged_kv.pin(model, system, priority=5)  # 6 blocks
+    low = hf_paged_kv.pin(model, tokens(48, 51), priority=1)  # 6 blocks
+    gone = hf_paged_kv.pin(model, tokens(32, 52), priority=0)  # 4 blocks
+    with pool.locked():
+        pool.reuse.pins.shrink_to(0.15)  # 6 blocks: only the highest priority stays
+    stats = pool.stats()
+    assert stats["blocks_pinned"] == 6 and stats["pins_given_way"] == 2 and stats["pins_refused"] == 2
+    hf_paged_kv.unpin(model, gone)  # unpinned while it had given way: gone for good
+    with pool.locked():
+        pool.reuse.pins.shrink_to(0.5)
+    stats = pool.stats()
+    assert sorted(p["id"] for p in stats["pins"]) == [high.id, low.id]
+    assert stats["blocks_pinned"] == 12 and stats["pins_given_way"] == 0
+    with pool.locked():
+        pool.reuse.pins.shrink_to(0.15)  # the low pin gives way again ...
+    pool.decref(pool.allocate(pool.num_available()))  # ... and its blocks are evicted meanwhile
+    with pool.locked():
+        pool.reuse.pins.shrink_to(0.5)
+    stats = pool.stats()
+    assert [p["id"] for p in stats["pins"]] == [high.id] and stats["pins_given_way"] == 0
+    assert hf_paged_kv.cached_tokens(model, tokens(48, 51))["device"] == 0
+    assert skip_of(model, torch.cat([system, tokens(5, 53)]))[0] == 48  # the pinned prefix stayed
+    hf_paged_kv.unpin(model, high)
+    assert_pool_clean(pool)

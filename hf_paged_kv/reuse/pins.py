@@ -20,6 +20,11 @@ first then oldest; if even that cannot make room, an explicit `pin` raises `PinB
 and a `turns` or `hot` pin is refused and counted in `pins_refused`, with a warning for the
 first refusal only (under a full budget they come every step, and the count says the rest).
 Pins expire at their TTL.
+
+A lower budget (the load controller halves it under memory pressure) makes pins beyond it give
+way, lowest priority and then oldest first; they come back, highest priority first, when the
+budget grows again, if their blocks are still cached under the same digests (a block evicted in
+between cannot come back: its KV is gone).
 """
 
 from __future__ import annotations
@@ -61,8 +66,8 @@ def check_settings(budget: float, hot_threshold: float | None) -> None:
 class PinRegistry:
     """The pool's pins. Every call happens under the pool's lock.
 
-    `budget` and `hot_threshold` may be changed at any time (the load controller does); a lower
-    budget takes effect at the next pin.
+    `hot_threshold` may be changed at any time (the load controller does); the budget changes
+    through `shrink_to`.
     """
 
     def __init__(self, allocator: BlockAllocator, index: PrefixIndex, budget: float, hot_threshold: float | None):
@@ -71,6 +76,7 @@ class PinRegistry:
         self.budget = budget
         self.hot_threshold = hot_threshold
         self.pins: dict[int, Pin] = {}
+        self.given_way: list[tuple[Pin, list[bytes]]] = []  # pins a smaller budget took, with their digests
         self._ids = itertools.count(1)
         self.refused = 0
         self.warned = False  # a refused automatic pin warns once; the count says the rest
@@ -104,6 +110,8 @@ class PinRegistry:
         return pin
 
     def remove(self, pin: Pin) -> None:
+        """Unpin for good (a pin that gave way to a smaller budget does not come back either)."""
+        self.given_way = [(p, digests) for p, digests in self.given_way if p.id != pin.id]
         if self.pins.pop(pin.id, None) is not None:
             self.allocator.decref(pin.blocks)
 
@@ -154,20 +162,37 @@ class PinRegistry:
         self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
 
     def shrink_to(self, budget: float) -> None:
-        """A new budget (a fraction of the pool); pins beyond it give way, lowest priority and
-        then oldest first (automatic hot-spot pins, priority -1, before any other)."""
+        """A new budget (a fraction of the pool). Pins beyond it give way, lowest priority and then
+        oldest first (automatic hot-spot pins, priority -1, before any other); under a larger one,
+        those that gave way come back where they fit and their blocks are still cached."""
         check_settings(budget, self.hot_threshold)
         self.budget = budget
         for pin in sorted(self.pins.values(), key=lambda p: (p.priority, p.created)):
             if len(self.pinned_blocks()) <= self.budget_blocks:
                 break
+            metas = [self.index.metas.get(block) for block in pin.blocks]
             self.remove(pin)
             self.refused += 1
+            if all(metas):  # only KV still named by its digests can be recognised later
+                self.given_way.append((pin, [meta.digest for meta in metas]))
+        self._restore()
+
+    def _restore(self) -> None:
+        now = self.index.policy.now()
+        for pin, digests in sorted(self.given_way, key=lambda entry: (-entry[0].priority, entry[0].created)):
+            cached = all(self.index.lookup(d, now) == block for d, block in zip(digests, pin.blocks))
+            if not cached or (pin.expires is not None and now >= pin.expires):
+                self.given_way.remove((pin, digests))
+            elif len(self.pinned_blocks() | set(pin.blocks)) <= self.budget_blocks:
+                self.given_way.remove((pin, digests))
+                self.allocator.incref(pin.blocks)
+                self.pins[pin.id] = pin
 
     def release_all(self) -> None:
         """Drop every pin (the blocks stay cached)."""
         for pin in list(self.pins.values()):
             self.remove(pin)
+        self.given_way = []
 
     def stats(self) -> dict:
         now = self.index.policy.now()
@@ -176,6 +201,7 @@ class PinRegistry:
             "blocks_pinned": len(self.pinned_blocks()),
             "pin_budget_blocks": self.budget_blocks,
             "pins_refused": self.refused,
+            "pins_given_way": len(self.given_way),
             "pins": [
                 {"id": p.id, "reason": p.reason, "tenant": p.tenant, "priority": p.priority, "blocks": len(p.blocks),
                  "tokens": p.tokens, "expires_in": None if p.expires is None else max(0.0, p.expires - now)}
