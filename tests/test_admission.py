@@ -49,7 +49,7 @@ def cache_prefix(admit: Admission, owner: str = "default") -> list[int]:
 
 
 def admitted(admit: Admission, budget: int = 10_000, ends_prompts: bool = False) -> list[Request]:
-    chosen = admit.admit(budget, MODEL, {"tokens_inherited": 0}, EngineMetrics(), ends_prompts)
+    chosen = admit.admit(budget, MODEL, EngineMetrics(), ends_prompts)
     return [request for request, _ in chosen]
 
 

@@ -42,15 +42,16 @@ def setup(**thresholds):
     return clock, signals, controller, applied, actions
 
 
-def run(clock, signals, controller, levels, seconds, events=()):
-    """Advance the clock in ticks, feeding levels (and events) each tick."""
+def run(clock, signals, controller, levels, seconds, events=(), priorities=(0,)):
+    """Advance the clock in ticks, feeding levels (and events) each tick; `priorities`: those of
+    the requests waiting."""
     end = clock.now + seconds
     while clock.now < end:
         clock.now += 0.5
         for name, value in events:
             signals.record(name, value, clock.now)
         signals.sample_levels(levels, clock.now)
-        controller.tick(signals, clock.now)
+        controller.tick(signals, clock.now, priorities)
 
 
 def test_pressure_is_entered_and_left_with_hysteresis_and_dwell():
@@ -87,17 +88,43 @@ def test_a_brief_spike_inside_the_dwell_changes_nothing():
     assert controller.state == "pressure" and clock.now - entered < 3.0
 
 
-def test_overload_sheds_one_priority_level_per_dwell_and_recovers():
+def test_overload_sheds_one_waiting_priority_per_dwell_and_recovers():
+    """Shedding starts at the lowest priority waiting and steps, one per dwell, through the
+    priorities that wait (not through unused levels); the highest of them is never shed."""
     clock, signals, controller, applied, actions = setup()
-    run(clock, signals, controller, LATE, 4, events=[("queue_wait", 5.0)])
+    waiting = (0, 0, 3, 5)
+    run(clock, signals, controller, LATE, 4, events=[("queue_wait", 5.0)], priorities=waiting)
     assert controller.state == "overload"
     assert controller.shed_below == 1 and ("watermark", 0.08) in applied  # bounded: 0.1 clamped to 0.08
-    run(clock, signals, controller, LATE, 3.5, events=[("queue_wait", 5.0)])
-    assert controller.shed_below == 2
+    run(clock, signals, controller, LATE, 3.5, events=[("queue_wait", 5.0)], priorities=waiting)
+    assert controller.shed_below == 4
+    run(clock, signals, controller, LATE, 12, events=[("queue_wait", 5.0)], priorities=waiting)
+    assert controller.shed_below == 4  # priority 5 is served
     run(clock, signals, controller, CALM, 30)
     assert controller.state == "normal" and controller.shed_below == float("-inf")
     sheds = [value for knob, value in actions if knob == "shed_below_priority"]
-    assert sheds[:2] == [1, 2] and sheds[-1] == float("-inf")  # one level per dwell, cleared on recovery
+    assert sheds == [1, 4, float("-inf")]  # one level per dwell, cleared on recovery
+
+
+def test_an_admission_stall_reaches_overload():
+    """Waits are recorded when requests are admitted: when nothing is admitted, the oldest
+    waiting request's wait alone must still say that the queue is far behind."""
+    clock, signals, controller, _, _ = setup()
+    run(clock, signals, controller, FULL | dict(oldest_wait=1.5), 6)
+    assert controller.state != "overload"  # late, but not yet far behind
+    run(clock, signals, controller, FULL | dict(oldest_wait=2.5), 4)  # no admission, no queue_wait event
+    assert controller.state == "overload" and controller.shed_below == 1
+
+
+def test_pressure_holds_while_memory_stays_full_after_a_calm_spell():
+    """Pressure is left only when both windows are calm: the long average still low from the
+    calm spell must not end it while the pool is full."""
+    clock, signals, controller, _, actions = setup(dwell=1.0)
+    signals.windows["long"] = 60.0
+    run(clock, signals, controller, CALM, 120)
+    run(clock, signals, controller, FULL, 60)
+    assert controller.state == "pressure"
+    assert sum(1 for knob, _ in actions if knob == "state") == 1
 
 
 def test_batch_budget_does_not_grow_while_first_tokens_have_no_headroom():
@@ -166,6 +193,131 @@ def test_batch_budget_shrinks_on_slow_tokens_and_grows_back_with_a_queue():
     assert controller.knobs["max_batch_tokens"].value > shrunk and controller.knobs["max_batch_tokens"].value <= 512
 
 
+def test_one_slow_request_shrinks_the_budget_once_and_an_idle_engine_returns_to_the_configured_budget():
+    """The window keeps a slow request for its whole span; reacting to it again at every
+    decision took the budget to its floor in 2 s. A shrink needs new evidence; with no queue
+    the budget goes back to what was configured."""
+    clock, signals, controller, _, _ = setup()
+    clock.now += 0.5
+    signals.record("per_token", 0.5, clock.now)  # one request 5x over its target
+    run(clock, signals, controller, CALM, 1.5)  # three decisions while it is in the 2 s window
+    assert controller.knobs["max_batch_tokens"].value == 192  # one step of 0.75, not 108
+    run(clock, signals, controller, CALM, 1.5, events=[("per_token", 0.5)])
+    assert controller.knobs["max_batch_tokens"].value < 192  # new slow requests: it shrinks again
+    run(clock, signals, controller, CALM, 20)  # idle: the slow ones leave the window, the budget comes back
+    assert controller.knobs["max_batch_tokens"].value == 256
+    run(clock, signals, controller, dict(kv_usage=0.2, queue_depth=4), 10, events=[("per_token", 0.01)])
+    assert controller.knobs["max_batch_tokens"].value > 256  # grown with a queue ...
+    run(clock, signals, controller, CALM, 10, events=[("per_token", 0.01)])
+    assert controller.knobs["max_batch_tokens"].value == 256  # ... and back once it has gone
+
+
+def test_knobs_start_and_end_at_their_configured_values_and_pressure_only_tightens():
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=64, block_size=8, host_blocks=8)
+    configured = Limits(watermark=0.5, growth_ratio_min=0.6, prefetch_depth=32, demote_ahead=0.2, max_batch_tokens=8)
+    engine = Engine(model, pool=pool, limits=configured, slo=SLO(per_token=0.1),
+                    thresholds=Thresholds(dwell=0.0, tick=0.0))
+    controller, signals, limits = engine.load.controller, engine.load.signals, engine.limits
+    knobs = ("watermark", "growth_ratio_min", "prefetch_depth", "demote_ahead")
+    before = {name: getattr(limits, name) for name in knobs}
+    now = time.monotonic()
+    for levels, events, seconds, state in ((CALM, (), 3, "normal"), (FULL, ("preemption",), 3, "pressure"),
+                                           (CALM, (), 80, "normal")):
+        for _ in range(seconds):
+            now += 1.0
+            for event in events:
+                signals.record(event, 1.0, now)
+            signals.sample_levels(levels, now)
+            controller.tick(signals, now)
+        assert controller.state == state
+        if state == "pressure":  # each tightened or kept, never loosened
+            assert limits.watermark == 0.5 and limits.growth_ratio_min == 0.6 and limits.demote_ahead == 0.2
+            assert limits.prefetch_depth == 0
+        else:
+            assert {name: getattr(limits, name) for name in knobs} == before
+    signals.record("per_token", 1.0, now + 1)  # 10x the per-token target: a budget of 8 must not grow
+    controller.tick(signals, now + 1)
+    assert limits.max_batch_tokens == 8 and controller.knobs["max_batch_tokens"].low == 8
+    hf_paged_kv.disable(model)
+
+
+def test_signals_survive_client_threads_recording_while_the_engine_reads():
+    """`submit` records arrivals and rejections on the clients' threads while the scheduler
+    thread reads the same events: unguarded, most reads of this test raised 'deque mutated
+    during iteration' and killed the engine's thread."""
+    import sys
+    import threading
+
+    signals = Signals(short=10.0, long=60.0)
+    done, errors = threading.Event(), []
+
+    def clients():
+        while not done.is_set():
+            signals.record("arrival")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=clients) for _ in range(2)]
+    try:
+        for thread in threads:
+            thread.start()
+        for _ in range(100):
+            try:
+                signals.read()
+            except RuntimeError as error:
+                errors.append(error)
+    finally:
+        done.set()
+        for thread in threads:
+            thread.join()
+        sys.setswitchinterval(interval)
+    assert not errors
+
+
+def test_retry_after_is_the_time_the_requests_ahead_take_to_be_admitted():
+    model = make_model("llama", seed=6)
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8), max_waiting=2)
+    assert engine.load.retry_after() == 5.0  # nothing measured yet: a fixed guess
+    now = time.monotonic()
+    for i in range(20):  # 20 admissions in the last 5 s: 2 per second over the short window of 10 s
+        engine.load.signals.record("queue_wait", 0.1, now - 5 + i * 0.25)
+    engine.load.signals.started = now - 60
+    assert engine.load.retry_after(1) == pytest.approx(0.5, rel=0.05)
+    assert engine.load.retry_after(4) == pytest.approx(2.0, rel=0.05)
+    engine.accepting = True  # accept without running the loop, so the queue fills
+    for prompt in ([5, 6, 7], [5, 6, 8]):
+        engine.submit(prompt, max_new_tokens=4)
+    with pytest.raises(Overloaded) as info:
+        engine.submit([5, 6, 9], max_new_tokens=4)  # one request must leave the queue first
+    assert info.value.retry_after == pytest.approx(0.5, rel=0.05)
+    engine.start()
+    engine.stop(drain=True)
+    hf_paged_kv.disable(model)
+
+
+def test_hit_rates_are_recent_and_the_service_figures_are_in_the_metrics():
+    """The pool's hit counters are lifetime totals; the controller's signal is the share of
+    the tokens looked up lately. Goodput, availability, the state and the shed level are in
+    the metrics from the start."""
+    model = make_model("llama", seed=4)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(ttft=30.0, per_token=30.0))
+    text = engine.prometheus()
+    for line in ('hf_paged_kv_controller_state{state="overload"} 0.0', "hf_paged_kv_availability_ratio 1.0",
+                 'hf_paged_kv_controller_setting{knob="shed_below_priority"} -Inf', "hf_paged_kv_goodput_requests_per_second"):
+        assert line in text
+    prompt = list(range(3, 60))
+    with engine:
+        for _ in range(3):
+            engine.submit(prompt, max_new_tokens=2).result(timeout=60)
+            engine.load.tick()
+    lifetime = engine.pool.stats()["hit_rate"]
+    recent = engine.load.signals.read()["now"]["hit_rate_device"]
+    assert lifetime < 0.7 < recent  # 2 of 3 lookups hit; the last one alone hit 48 of 56 tokens
+    assert "hf_paged_kv_availability_ratio 1.0" in engine.prometheus()
+    hf_paged_kv.disable(model)
+
+
 def test_per_token_signal_is_each_finished_requests_mean_gap():
     """The batch-budget rule reads per-token latency as the target counts it: one value per
     finished request, its mean time between tokens (a single gap stretched by a prefill chunk
@@ -179,7 +331,7 @@ def test_per_token_signal_is_each_finished_requests_mean_gap():
         per_request = [(h.request.last_token - h.request.first_token) / (len(h.request.generated) - 1)
                        for h in handles]
         reading = engine.load.signals.read()["short"]
-    assert reading["per_token_rate"] * engine.load.signals.windows["short"] == pytest.approx(3)
+    assert engine.load.signals.p95("per_token", since=0.0)[1] == 3
     assert reading["per_token_mean"] == pytest.approx(sum(per_request) / 3)
     hf_paged_kv.disable(model)
 

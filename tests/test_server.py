@@ -164,12 +164,16 @@ def test_stop_strings_end_the_text_before_them(served, client):
     expected = direct(engine, ids, 12)
     cut = next(i for i in range(3, 11) if expected[i] not in expected[:i] and expected[i] not in SPECIAL)
     stop = f" {word(expected[cut])} "  # a whole word, with the spaces around it (split over two pieces)
+    before = engine.stats()
     out = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, stop=[stop, "zz"])
     assert out.choices[0].text.split() == words(expected[:cut]) and out.choices[0].finish_reason == "stop"
     streamed = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, stop=stop,
                                          stream=True)
     pieces = [c.choices[0] for c in streamed]
     assert "".join(p.text for p in pieces).split() == words(expected[:cut]) and pieces[-1].finish_reason == "stop"
+    # both count as finished, not cancelled (the stream closing after its stop string cancels again)
+    wait_for(lambda: engine.stats()["requests_finished"] == before["requests_finished"] + 2)
+    assert engine.stats()["requests_cancelled"] == before["requests_cancelled"]
 
 
 def test_seeded_sampling_is_reproducible(client):
@@ -224,6 +228,45 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
         client.completions.create(model="gpt-4", prompt="w05")
     with pytest.raises(openai.BadRequestError, match="tool"):
         client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "w05", "tool_call_id": "1"}])
+
+
+def test_a_tiny_temperature_a_negative_seed_message_names_and_stream_options(served, client):
+    engine, url = served
+    ids = torch.randint(3, VOCAB, (10,), generator=torch.Generator().manual_seed(6)).tolist()
+    greedy = direct(engine, ids, 8)
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=8, temperature=1e-45, seed=-1,
+                                    extra_body={"return_token_ids": True})
+    assert out.choices[0].model_extra["token_ids"] == greedy  # sampling's limit as the temperature goes to 0
+    answer = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "max_tokens": 2,
+                                                       "stream_options": {"include_usage": True}})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "stream_options"
+    tokenizer, template = engine.tokenizer, engine.tokenizer.chat_template
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['name'] ~ ' ' if m['name'] is defined else '' }}"
+                               "{{ m['content'] }} {% endfor %}")
+    try:  # a message's name reaches a chat template that shows it
+        shown = [client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "w10", "name": who}], max_tokens=1,
+            extra_body={"return_token_ids": True}).model_extra["prompt_token_ids"] for who in ("w20", "w21")]
+    finally:
+        tokenizer.chat_template = template
+    assert shown == [[20, 10], [21, 10]]
+
+
+def test_a_chat_without_max_tokens_fills_a_pool_smaller_than_the_context():
+    """The default completion length is what the context leaves, but no more than one request
+    can hold in the pool: a client that sends no max_tokens is not told to reduce it."""
+    from fastapi.testclient import TestClient
+
+    model = make_model("llama", seed=13)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=16, block_size=8))  # 128 < 256
+    with TestClient(create_app(engine, NAME)) as http:
+        answer = http.post("/v1/chat/completions", json={"model": NAME, "ignore_eos": True,
+                                                         "messages": [{"role": "user", "content": "w10 w11"}]})
+    assert answer.status_code == 200, answer.text
+    usage = answer.json()["usage"]
+    assert usage["total_tokens"] == 128 and answer.json()["choices"][0]["finish_reason"] == "length"
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
 
 
 def test_an_overloaded_engine_answers_429_with_retry_after():

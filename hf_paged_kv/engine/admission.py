@@ -46,7 +46,7 @@ class Admission:
         self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
 
     # ------------------------------------------------------------- admit
-    def admit(self, budget: int, model: str | None, counters: dict, metrics,
+    def admit(self, budget: int, model: str | None, metrics,
               ends_prompts: bool) -> list[tuple[Request, int]]:
         """Admit waiting requests in turn (`_in_turn`) while the memory rule and the budget
         allow. When memory turns one away, later requests of its priority that fit may pass it
@@ -91,11 +91,10 @@ class Admission:
                 continue
             self.scheduler.waiting.remove(request)
             self.scheduler.running.append(request)
-            request.admitted = time.monotonic()
-            counters["tokens_inherited"] += request.inherited
-            metrics.queue.observe(request.admitted - request.arrived)
-            self.on_admit(request.admitted - request.arrived)
-            metrics.prompt_tokens.labels("inherited").inc(request.inherited)
+            if request.admitted is None:  # a preempted request coming back inherits its own blocks
+                request.admitted = time.monotonic()
+                metrics.admitted(request)
+                self.on_admit(request.admitted - request.arrived)
             admitted.append((request, count))
             budget -= count
             ends_prompts = ends_prompts or request.ends_prompt(count)

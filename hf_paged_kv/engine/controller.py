@@ -7,17 +7,20 @@ flaps:
 - **pressure** (KV memory nearly full, or preemptions; a late first token alone is not memory
   pressure, and these moves would only lengthen its queue):
   admissions keep a watermark of the pool free and reserve more for growth, pins give way
-  (smaller pin budget, higher hot threshold), the decay half-life shortens so cold prefixes
-  leave sooner, prefetching stops, and cold cached blocks are demoted to the host tier ahead
-  of need;
+  (smaller pin budget, higher hot threshold; they come back after), the decay half-life shortens
+  so cold prefixes leave sooner, prefetching stops, and cold cached blocks are demoted to the
+  host tier ahead of need (each only tightens what was configured); left when memory is calm in
+  both windows;
 - **overload** (requests waited far longer than the target and the queue still holds late ones):
   all of the above, and the lowest priorities are shed – waiting ones past their target turned
   away, and new ones refused while requests of their priority or above wait late, each with an
-  honest `retry_after` – raising the shed level one priority at a time while overload lasts.
+  honest `retry_after` – raising the shed level through the waiting priorities, one per dwell,
+  never to the highest of them while a lower one waits.
 
 Independently of the state, the batch token budget shrinks when the per-token latency of
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
-the target, and grows back while there is a queue and both per-token latency and time to
+the target, once per new evidence, returns to its configured value with no queue, and grows
+while there is a queue and both per-token latency and time to
 first token have headroom. Every knob is bounded, every change is logged and counted
 (`controller_actions_total{knob=...}`), and the current values are in `engine.stats()` and the
 metrics.
@@ -102,9 +105,14 @@ class Controller:
         self.state, self.entered, self.last_tick = "normal", None, None
         self.shed_below = float("-inf")  # priorities below this are refused while overloaded
         self.shed_since: float | None = None
+        self.seen: set[int] = set()  # the priorities waiting since overload began
+        budget = self.knobs.get("max_batch_tokens")
+        self.budget_configured = budget.value if budget else None
+        self.budget_moved = float("-inf")
 
-    def tick(self, signals: Signals, now: float) -> bool:
-        """Read the signals and move the knobs; True when it decided (once per `tick` seconds)."""
+    def tick(self, signals: Signals, now: float, priorities=()) -> bool:
+        """Read the signals and move the knobs; True when it decided (once per `tick` seconds).
+        `priorities`: those of the requests waiting now (the levels shedding steps through)."""
         if self.last_tick is not None and now - self.last_tick < self.limits.tick:
             return False
         self.last_tick = now
@@ -116,8 +124,8 @@ class Controller:
             target = knob.targets.get(self.state)
             if target is not None and knob.move_to(target):
                 self._act(knob.name, knob.value)
-        self._batch_budget(reading["short"], reading["now"])
-        self._shedding(now)
+        self._batch_budget(signals, reading["short"], reading["now"], now)
+        self._shedding(now, priorities)
         return True
 
     # ------------------------------------------------------------- states
@@ -129,11 +137,14 @@ class Controller:
         # caused. With late first tokens also entering it, bench_load's controlled engine lost to
         # the uncontrolled one (d328d70: 78.8% vs 81.8% of requests within their targets)
         pressure = short["kv_usage"] > self.limits.kv_high or short["preemption_rate"] > 0
-        calm = long["kv_usage"] < self.limits.kv_low and short["preemption_rate"] == 0
+        # both windows: the long average alone lags a pool that filled after a calm spell, and
+        # pressure would be left while memory is still full
+        calm = max(short["kv_usage"], long["kv_usage"]) < self.limits.kv_low and short["preemption_rate"] == 0
         # the waits of admitted requests lag the queue by their whole wait: shedding on them alone
-        # turns requests away after the burst has drained, so the live queue must agree
-        overloaded = (short["queue_wait_p95"] > self.limits.overload_wait * self.slo.ttft
-                      and current["oldest_wait"] > self.slo.ttft)
+        # turns requests away after the burst has drained, so the live queue must agree; and when
+        # nothing is admitted at all, no wait is recorded, so the oldest waiting request counts too
+        waits = max(short["queue_wait_p95"], current["oldest_wait"])
+        overloaded = waits > self.limits.overload_wait * self.slo.ttft and current["oldest_wait"] > self.slo.ttft
         recovered = current["oldest_wait"] < self.limits.recover_wait * self.slo.ttft
         state = self.state
         if state != "overload" and overloaded:
@@ -151,39 +162,60 @@ class Controller:
             self._act("state", STATES.index(state))
 
     # -------------------------------------------------------------- rules
-    def _batch_budget(self, short: dict, current: dict) -> None:
+    def _batch_budget(self, signals: Signals, short: dict, current: dict, now: float) -> None:
         """Shrink the token budget when per-token latency breaks its target; grow it back while
-        requests queue and both latencies have headroom. First tokens have none when their p95
-        or the oldest waiting request has used half the target: a larger forward delays every
-        first token in it, and in a burst the short prompts admitted first would wait for the long
-        ones (on bench_load's trace the budget doubled in a burst's first seconds and its shortest
-        prompts got their first tokens together with the longest)."""
+        requests queue and both latencies have headroom; with no queue, return to the configured
+        budget. A shrink needs evidence newer than the last move (the window still holds what that
+        move answered: read again, one slow request took the budget to its floor in 2 s). First
+        tokens have no headroom when their p95 or the oldest waiting request has used half the
+        target: a larger forward delays every first token in it, and in a burst the short prompts
+        admitted first would wait for the long ones (on bench_load's trace the budget doubled in a
+        burst's first seconds and its shortest prompts got their first tokens together with the
+        longest)."""
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
-        if short["per_token_p95"] > self.slo.per_token:
+        fresh, count = signals.p95("per_token", max(now - signals.windows["short"], self.budget_moved))
+        slow = short["per_token_p95"] > self.slo.per_token
+        if count and fresh > self.slo.per_token:
             value = knob.value * 0.75
-        elif (current["queue_depth"] >= 1 and short["per_token_p95"] < 0.7 * self.slo.per_token
-              and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
+        elif current["queue_depth"] >= 1:
+            if not (short["per_token_p95"] < 0.7 * self.slo.per_token
+                    and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
+                return
             value = knob.value * 1.25
+        elif knob.value != self.budget_configured and not slow:
+            step = 1.25 if knob.value < self.budget_configured else 0.75
+            value = (min if step > 1 else max)(knob.value * step, self.budget_configured)
         else:
             return
         if knob.move_to(round(value)):
+            self.budget_moved = now
             self._act(knob.name, knob.value)
 
-    def _shedding(self, now: float) -> None:
-        """In overload, refuse the lowest priority; one more priority level per dwell it lasts."""
+    def _shedding(self, now: float, priorities) -> None:
+        """In overload, refuse the lowest priority waiting; one more priority level per dwell it
+        lasts, stepping through the priorities that have waited since it began. The highest of
+        them is never shed while there is a lower one (with a single priority, it is the lowest)."""
         if self.state != "overload":
+            self.seen = set()
             if self.shed_below != float("-inf"):
                 self.shed_below, self.shed_since = float("-inf"), None
                 self._act("shed_below_priority", self.shed_below)
             return
+        self.seen |= set(priorities) or {0}
+        levels = sorted(self.seen)
+        sheddable = levels[:-1] if len(levels) > 1 else levels
         if self.shed_since is None:
-            self.shed_below, self.shed_since = 1, now  # priorities 0 and below (the default) go first
+            level = sheddable[0] + 1
         elif now - self.shed_since >= self.limits.dwell:
-            self.shed_below, self.shed_since = self.shed_below + 1, now
+            higher = [p for p in sheddable if p >= self.shed_below]
+            if not higher:
+                return
+            level = higher[0] + 1
         else:
             return
+        self.shed_below, self.shed_since = level, now
         self._act("shed_below_priority", self.shed_below)
 
     def _act(self, knob: str, value: float) -> None:
@@ -196,33 +228,40 @@ class Controller:
 
 
 def engine_knobs(engine) -> list[Knob]:
-    """The actuators of an engine and its pool, each starting at its configured value."""
+    """The actuators of an engine and its pool. Each starts at its configured value and returns to
+    it in the normal state; pressure and overload only tighten (a watermark configured above
+    pressure's keeps its own), and every bound includes the configured value."""
     limits, pool = engine.limits, engine.pool
     pins, policy = pool.reuse.pins, pool.policy
 
     def setter(owner, attribute, cast=float):
         return lambda value: setattr(owner, attribute, cast(value))
 
-    budget, pin_budget, half_life = limits.max_batch_tokens, pins.budget, policy.half_life
+    def tightening(name, configured, pressure, overload, high, apply):
+        return Knob(name, configured, {"normal": configured, "pressure": max(configured, pressure),
+                                       "overload": max(configured, overload)}, 0.0, max(high, configured), apply)
+
+    def shrink_pins(value):  # the pins' registry changes only under the pool's lock
+        with pool.locked():
+            pins.shrink_to(value)
+
+    budget, pin_budget, half_life, depth = limits.max_batch_tokens, pins.budget, policy.half_life, limits.prefetch_depth
     knobs = [
-        Knob("watermark", limits.watermark, {"normal": limits.watermark, "pressure": 0.05, "overload": 0.10},
-             0.0, 0.3, setter(limits, "watermark")),
-        Knob("growth_reserve", limits.growth_ratio_min,
-             {"normal": limits.growth_ratio_min, "pressure": 0.3, "overload": 0.5}, 0.0, 1.0,
-             setter(limits, "growth_ratio_min")),
-        Knob("max_batch_tokens", budget, {}, max(16, budget // 4), budget * 2, setter(limits, "max_batch_tokens", int)),
+        tightening("watermark", limits.watermark, 0.05, 0.10, 0.3, setter(limits, "watermark")),
+        tightening("growth_reserve", limits.growth_ratio_min, 0.3, 0.5, 1.0, setter(limits, "growth_ratio_min")),
+        Knob("max_batch_tokens", budget, {}, min(budget, max(16, budget // 4)), budget * 2,
+             setter(limits, "max_batch_tokens", int)),
         Knob("pin_budget", pin_budget, {"normal": pin_budget, "pressure": pin_budget / 2, "overload": pin_budget / 4},
-             0.0, 1.0, pins.shrink_to),
+             0.0, 1.0, shrink_pins),
         Knob("half_life", half_life, {"normal": half_life, "pressure": half_life / 4, "overload": half_life / 4},
              half_life / 16, half_life, setter(policy, "half_life")),
-        Knob("prefetch_depth", limits.prefetch_depth,
-             {"normal": limits.prefetch_depth, "pressure": 0, "overload": 0}, 0, 16, setter(limits, "prefetch_depth", int)),
+        Knob("prefetch_depth", depth, {"normal": depth, "pressure": 0, "overload": 0}, 0, max(16, depth),
+             setter(limits, "prefetch_depth", int)),
     ]
     if pins.hot_threshold is not None:
         hot = pins.hot_threshold
         knobs.append(Knob("hot_threshold", hot, {"normal": hot, "pressure": 2 * hot, "overload": 4 * hot}, hot, 8 * hot,
                           setter(pins, "hot_threshold")))
     if pool.tiers.host is not None:
-        knobs.append(Knob("demote_ahead", 0.0, {"normal": 0.0, "pressure": 0.10, "overload": 0.15}, 0.0, 0.5,
-                          setter(limits, "demote_ahead")))
+        knobs.append(tightening("demote_ahead", limits.demote_ahead, 0.10, 0.15, 0.5, setter(limits, "demote_ahead")))
     return knobs

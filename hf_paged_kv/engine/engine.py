@@ -16,6 +16,7 @@ The pool, its reuse index, pins and tiers are the ones `generate` uses, so the e
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
 from .scheduler import Limits, Scheduler
 
+log = logging.getLogger("hf_paged_kv.engine")
 IDLE_WAIT = 0.05  # seconds the loop sleeps when there is nothing to do
 
 
@@ -71,12 +73,10 @@ class Engine:
         self.admission.on_impossible = lambda request: self._end(request, "failed", RequestFailed(
             f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV, more than the pool can hold "
             f"({self.pool.num_blocks} blocks of {self.pool.block_size}); use a larger KVPool or a shorter request"))
-        self.counters = dict.fromkeys(("requests_finished", "requests_rejected", "requests_cancelled",
-                                       "requests_failed", "preemptions", "max_running", "tokens_prefilled",
-                                       "tokens_inherited", "tokens_prefetched", "tokens_generated", "steps"), 0)
         self.incoming: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
+        self.gate = threading.Lock()  # a submit either queues before stop() stops accepting, or is refused
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
@@ -84,6 +84,8 @@ class Engine:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
+        if self.thread is not None and not self.accepting:
+            raise PagedKVError("the engine's previous loop is still stopping: call stop() again and let it finish")
         if self.thread is None:
             self.accepting = True
             openmp.release_workers()  # this thread's idle OpenMP workers would throttle the engine's
@@ -93,11 +95,13 @@ class Engine:
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting requests; finish the ones in flight (`drain`) or cancel them."""
-        self.accepting, self.draining = False, drain
+        with self.gate:
+            self.accepting, self.draining = False, drain
         self.wakeup.set()
         if self.thread is not None:
             self.thread.join(timeout)
-            self.thread = None
+            if not self.thread.is_alive():  # else it is still draining: start() must not add a second loop
+                self.thread = None
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -113,52 +117,49 @@ class Engine:
         Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
         if not self.accepting:
             raise PagedKVError("the engine is not running: call start() or use it as a context manager")
-        ids = _prompt_ids(prompt, self.tokenizer)
+        ids = _prompt_ids(prompt, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
-        self.load.arrival()
-        backlog = len(self.scheduler.waiting) + self.incoming.qsize()
-        if backlog >= self.limits.max_waiting or self.load.refuses(priority):
-            self.counters["requests_rejected"] += 1
-            self.metrics.requests.labels("rejected").inc()
-            self.load.signals.record("rejection")
-            why = (f"{backlog} requests are waiting (max_waiting={self.limits.max_waiting})"
-                   if backlog >= self.limits.max_waiting else f"overloaded: priority {priority} is shed for now")
-            raise Overloaded(self.retry_after(), why)
+        self.load.admit_or_refuse(priority)
         request = Request(ids, params, tenant=tenant, priority=priority)
         if seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(seed)
-        self.incoming.put(request)
+        with self.gate:
+            if not self.accepting:
+                raise PagedKVError("the engine stopped while the request was being submitted")
+            self.incoming.put(request)
         self.wakeup.set()
         return RequestHandle(request, self)
 
     def cancel(self, request: Request, outcome: str = "cancelled") -> None:
-        request.cancel_requested = outcome
+        # the first outcome asked for stands: a stream closed after its stop string matched
+        # (finished) cancels again, and that must not count the request as cancelled
+        request.cancel_requested = request.cancel_requested or outcome
         self.cancelled.put(request)
         self.wakeup.set()
-
-    def retry_after(self) -> float:
-        """An honest wait: the queued tokens over the recent throughput (at least a second)."""
-        queued = sum(r.remaining + r.params.max_new_tokens for r in list(self.scheduler.waiting))
-        rate = self.admission.costs.throughput()
-        return max(1.0, queued / rate) if rate > 0 else 5.0
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
         idle = True
         while True:
-            self._intake()
-            self.load.tick()
-            if not self.accepting and (not self.draining or not self._busy()):
-                break
-            if self.step():
-                idle = False
-                continue
+            try:
+                self._intake()
+                self.load.tick()
+                if not self.accepting and (not self.draining or not self._busy()):
+                    break
+                if self.step():
+                    idle = False
+                    continue
+            except Exception as error:  # noqa: BLE001 - a step that fails must not leave requests waiting forever
+                log.exception("the engine's step failed: the requests in flight fail, the engine goes on")
+                for request in self.scheduler.waiting + self.scheduler.running:
+                    self._end(request, "failed", RequestFailed(f"the engine's step failed: {error!r}"))
             if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
                 openmp.release_workers()
                 idle = True
             self.wakeup.wait(IDLE_WAIT)
             self.wakeup.clear()
+        self._intake()  # requests queued just before stop() stopped accepting
         for request in self.scheduler.waiting + self.scheduler.running:
             self._end(request, "cancelled")
 
@@ -178,7 +179,7 @@ class Engine:
         if not (self.scheduler.waiting or self.scheduler.running):
             return False
         started = time.perf_counter()
-        preemptions = self.counters["preemptions"]
+        preemptions = self.metrics.counters["preemptions"]
         batch = self.scheduler.continuing(self.limits.max_batch_tokens)
         try:
             batch = self.scheduler.grow(batch, self._preempt)
@@ -186,49 +187,51 @@ class Engine:
             for request, _ in batch:
                 self._end(request, "failed", RequestFailed(f"request {request.id} does not fit in the pool: {error}"))
             return True
-        if self.counters["preemptions"] == preemptions:  # no admission in a step that preempted
-            self.counters["tokens_prefetched"] += self.admission.prefetch(self.limits.prefetch_depth,
-                                                                          self.limits.prefetch_watermark)
+        if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted
+            self.metrics.count("tokens_prefetched", self.admission.prefetch(self.limits.prefetch_depth,
+                                                                            self.limits.prefetch_watermark))
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
             ends_prompts = any(request.ends_prompt(n) for request, n in batch)
             batch += self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0) if self.scheduler.waiting else None,
-                                          self.counters, self.metrics, ends_prompts)
+                                          self.metrics, ends_prompts)
         if not batch:
             return False
         self._forward(batch)
         self.scheduler.decay()
-        self._observe(batch, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        self.metrics.stepped(seconds)
+        self.admission.costs.record(sum(n for _, n in batch), seconds)
         return True
 
     def _forward(self, batch: list[tuple[Request, int]]) -> None:
         try:
             logits, sampling = runner.forward(self.model, self.backend, self.pool, batch)
-        except Exception as error:  # a failed forward fails its requests, never the engine
-            for request, _ in batch:
-                self._end(request, "failed", RequestFailed(f"forward failed: {error!r}"))
+        except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
+            if len(batch) > 1:  # find the culprit: each alone (their KV slots are written again)
+                for row in batch:
+                    self._forward([row])
+                return
+            self._end(batch[0][0], "failed", RequestFailed(f"forward failed: {error!r}"))
             return
-        prefilled = sum(n for r, n in batch if not (n == 1 and r.remaining == 1))  # all but decode steps
-        self.counters["tokens_prefilled"] += prefilled
-        self.metrics.prompt_tokens.labels("computed").inc(prefilled)
+        self.metrics.forward(batch, *runner.token_kinds(batch), len(self.scheduler.running))
         runner.commit(batch)
         self.admission.indexed(batch)
         now = time.monotonic()
         for request, token in zip(sampling, sample(logits, sampling)):
-            self._emit(request, token, now)
+            if isinstance(token, Exception):
+                self._end(request, "failed", RequestFailed(f"sampling failed: {token!r}"))
+            else:
+                self._emit(request, token, now)
 
     def _emit(self, request: Request, token: int, now: float) -> None:
         if request.cancel_requested:
             return
         request.generated.append(token)
         request.stream.push(token)
-        self.counters["tokens_generated"] += 1
-        self.metrics.generated.inc()
+        self.metrics.token(request, now)
         if request.first_token is None:
             request.first_token = now
-            self.metrics.ttft.observe(now - request.arrived)
             self.load.signals.record("ttft", now - request.arrived, now)
-        else:
-            self.metrics.itl.observe(now - request.last_token)
         request.last_token = now
         if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
             self._end(request, "finished")
@@ -240,10 +243,8 @@ class Engine:
             self.pool.decref(request.sequence.blocks)
         request.sequence = Sequence()
         request.outcome, request.finished = outcome, time.monotonic()
-        self.counters[f"requests_{outcome}"] += 1
-        self.metrics.requests.labels(outcome).inc()
+        self.metrics.ended(request, outcome)
         if outcome == "finished":
-            self.metrics.e2e.observe(request.finished - request.arrived)
             self.load.finished(request)
             self.admission.lengths.append(len(request.prompt) + len(request.generated))
         request.stream.close(error)
@@ -251,26 +252,17 @@ class Engine:
     def turn_away(self, request: Request) -> None:
         """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
         self.load.signals.record("rejection")
-        self._end(request, "rejected", Overloaded(self.retry_after(), "overloaded: this priority is shed for now"))
+        ahead = self.load.late_ahead(request.effective_priority, besides=request)
+        self._end(request, "rejected", Overloaded(self.load.retry_after(ahead), "overloaded: this priority is shed for now"))
 
     def _preempt(self, request: Request) -> None:
         self.load.signals.record("preemption")
-        mode = self.admission.preempt(request)
-        self.counters["preemptions"] += 1
-        self.metrics.preemptions.labels(mode).inc()
-
-    def _observe(self, batch, seconds: float) -> None:
-        self.counters["steps"] += 1
-        self.counters["max_running"] = max(self.counters["max_running"], len(self.scheduler.running))
-        self.metrics.step.observe(seconds)
-        self.metrics.batch_tokens.observe(sum(n for _, n in batch))
-        self.metrics.batch_sequences.observe(len(batch))
-        self.admission.costs.record(sum(n for _, n in batch), seconds)
+        self.metrics.preempted(self.admission.preempt(request))
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
         """Request and token counters, the high-water mark of running sequences, and the pool's stats."""
-        return self.pool.stats() | self.counters | self.load.stats() | {
+        return self.pool.stats() | dict(self.metrics.counters) | self.load.stats() | {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
             "growth_ratio": self.scheduler.growth_ratio,
@@ -286,10 +278,11 @@ class Engine:
         self.metrics.running.set(len(self.scheduler.running))
         self.metrics.waiting.set(len(self.scheduler.waiting) + self.incoming.qsize())
         self.metrics.observe_pool(self.pool.stats())
+        self.metrics.observe_service(self.load.stats())
         return self.metrics.text()
 
 
-def _prompt_ids(prompt, tokenizer) -> list[int]:
+def _prompt_ids(prompt, tokenizer, vocabulary: int) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs Engine(tokenizer=...)")
@@ -297,6 +290,9 @@ def _prompt_ids(prompt, tokenizer) -> list[int]:
     ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
     if not ids:
         raise ValueError("the prompt is empty")
+    outside = [t for t in ids if not 0 <= t < vocabulary]
+    if outside:  # it would fail the forward it joins (on CUDA, a device-side assert)
+        raise ValueError(f"token ids outside the model's vocabulary of {vocabulary}: {outside[:5]}")
     return ids
 
 

@@ -9,9 +9,11 @@ ones.
 
 from __future__ import annotations
 
+import threading
 import time
 
-from .controller import SLO, Controller, Thresholds, engine_knobs
+from ..errors import Overloaded
+from .controller import SLO, STATES, Controller, Thresholds, engine_knobs
 from .request import Request
 from .signals import Signals
 
@@ -24,17 +26,50 @@ class LoadControl:
         self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
+        self.lock = threading.Lock()  # client threads count arrivals concurrently
+        self.lookups_seen = dict.fromkeys(("lookup_tokens", "device", "host", "disk"), 0)
+        self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
         if self.controller is not None:
             if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
-            for name, knob in self.controller.knobs.items():
-                engine.metrics.knobs.labels(name).set(knob.value)
-            engine.metrics.controller_state.labels("normal").set(1)
+            for name, value in self.controller.settings().items():
+                if name != "state":
+                    engine.metrics.knobs.labels(name).set(value)
+            for state in STATES:
+                engine.metrics.controller_state.labels(state).set(1 if state == "normal" else 0)
 
     # ----------------------------------------------------------- events
-    def arrival(self) -> None:
-        self.counts["requests_submitted"] += 1
+    def admit_or_refuse(self, priority: int) -> None:
+        """Count a request's arrival; raise `Overloaded` when it must be refused: the queue is at
+        `max_waiting`, or its priority is shed (`refuses`)."""
+        with self.lock:
+            self.counts["requests_submitted"] += 1
         self.signals.record("arrival")
+        engine = self.engine
+        backlog = len(engine.scheduler.waiting) + engine.incoming.qsize()
+        if backlog >= engine.limits.max_waiting:
+            ahead, why = backlog - engine.limits.max_waiting + 1, (
+                f"{backlog} requests are waiting (max_waiting={engine.limits.max_waiting})")
+        elif self.refuses(priority):
+            ahead, why = self.late_ahead(priority), f"overloaded: priority {priority} is shed for now"
+        else:
+            return
+        engine.metrics.ended(None, "rejected")
+        self.signals.record("rejection")
+        raise Overloaded(self.retry_after(ahead), why)
+
+    def retry_after(self, ahead: int = 1) -> float:
+        """An honest wait before a retry is accepted: the time `ahead` waiting requests take to be
+        admitted (those that must leave the queue first) at the recent admission rate; with no
+        admission lately, the queued work over the recent throughput (5 s with no steps yet).
+        At least 0.1 s."""
+        rate = self.admission_rate()
+        if rate > 0:
+            return max(0.1, ahead / rate)
+        engine = self.engine
+        queued = sum(r.remaining + r.params.max_new_tokens for r in list(engine.scheduler.waiting))
+        throughput = engine.admission.costs.throughput()
+        return max(0.1, queued / throughput) if throughput > 0 else 5.0
 
     def refuses(self, priority: int) -> bool:
         """Whether a request of `priority` is refused now: its priority is shed, and it would
@@ -44,8 +79,21 @@ class LoadControl:
         dwell refused every retry."""
         if self.controller is None or priority >= self.controller.shed_below:
             return False
+        return self.late_ahead(priority) > 0
+
+    def late_ahead(self, priority: int, besides: Request | None = None) -> int:
+        """Waiting requests of `priority` or above already past the time-to-first-token target
+        (other than `besides`): while any wait, a shed `priority` is refused."""
         now = time.monotonic()
-        return any(self._late(r, now) and r.effective_priority >= priority for r in list(self.engine.scheduler.waiting))
+        return sum(1 for r in list(self.engine.scheduler.waiting)
+                   if r is not besides and self._late(r, now) and r.effective_priority >= priority)
+
+    def admission_rate(self) -> float:
+        """Requests admitted per second over the short window (each admission records its wait)."""
+        now = time.monotonic()
+        span = self.signals.windows["short"]
+        admitted = self.signals.p95("queue_wait", now - span)[1]
+        return admitted / min(span, max(now - self.signals.started, 1e-3))
 
     def _late(self, request: Request, now: float) -> bool:
         """Waiting past the time-to-first-token target, and not one that has streamed tokens."""
@@ -68,7 +116,6 @@ class LoadControl:
         now = time.monotonic()
         engine, stats = self.engine, self.engine.pool.stats()
         total = max(stats["num_blocks"], 1)
-        lookups = max(stats["lookup_tokens"], 1)
         fresh = [request.arrived for request in engine.scheduler.waiting if not request.generated]
         self.signals.sample_levels({
             "queue_depth": len(engine.scheduler.waiting),
@@ -76,17 +123,28 @@ class LoadControl:
             "kv_usage": stats["blocks_used"] / total,
             "host_usage": stats.get("host_blocks_used", 0) / max(stats.get("host_blocks", 1), 1),
             "pinned_share": stats["blocks_pinned"] / total,
-            "hit_rate_device": (stats["hit_tokens_prefix"] - stats["hit_tokens_host"] - stats["hit_tokens_disk"]) / lookups,
-            "hit_rate_host": stats["hit_tokens_host"] / lookups,
-            "hit_rate_disk": stats["hit_tokens_disk"] / lookups,
-        }, now)
-        if self.controller is None or not self.controller.tick(self.signals, now):
+        } | {f"hit_rate_{tier}": rate for tier, rate in self._hit_rates(stats).items()}, now)
+        priorities = [request.effective_priority for request in engine.scheduler.waiting]
+        if self.controller is None or not self.controller.tick(self.signals, now, priorities):
             return
         if engine.limits.demote_ahead:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
         for request in list(engine.scheduler.waiting):
             if request.effective_priority < self.controller.shed_below and self._late(request, now):
                 engine.turn_away(request)
+
+    def _hit_rates(self, stats: dict) -> dict[str, float]:
+        """Per tier, the share of the prompt tokens looked up since the last tick that it served
+        (the last shares while nothing was looked up): recent, where the pool's counters are
+        lifetime totals."""
+        now = {"lookup_tokens": stats["lookup_tokens"], "host": stats["hit_tokens_host"],
+               "disk": stats["hit_tokens_disk"]}
+        now["device"] = stats["hit_tokens_prefix"] - now["host"] - now["disk"]
+        looked_up = now["lookup_tokens"] - self.lookups_seen["lookup_tokens"]
+        if looked_up > 0:
+            self.hit_rates = {tier: (now[tier] - self.lookups_seen[tier]) / looked_up for tier in self.hit_rates}
+        self.lookups_seen = now
+        return self.hit_rates
 
     def _counted(self, knob: str, value: float) -> None:
         metrics = self.engine.metrics

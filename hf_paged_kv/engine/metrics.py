@@ -1,18 +1,26 @@
-"""The engine's Prometheus metrics, through `prometheus_client` (one registry per engine).
+"""What the engine counts: the counters of `engine.stats()` and the Prometheus metrics, through
+`prometheus_client` (one registry per engine), updated together.
 
     >>> print(engine.prometheus())       # text exposition format, also served at /metrics
 """
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+COUNTERS = ("requests_finished", "requests_rejected", "requests_cancelled", "requests_failed", "preemptions",
+            "max_running", "tokens_prefilled", "tokens_inherited", "tokens_recomputed", "tokens_prefetched",
+            "tokens_generated", "steps")
 
 
 class EngineMetrics:
     def __init__(self):
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.lock = threading.Lock()  # a refusal counts on the client's thread, the rest on the engine's
         self.registry = registry = CollectorRegistry()
 
         def gauge(name, doc, labels=()):
@@ -31,9 +39,12 @@ class EngineMetrics:
         self.host_blocks = gauge("kv_host_blocks_used", "Blocks held by the host tier")
         self.knobs = gauge("controller_setting", "Current value of each load-controller actuator", ["knob"])
         self.controller_state = gauge("controller_state", "Load controller state (1 for the current one)", ["state"])
+        self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since start")
+        self.availability = gauge("availability_ratio", "Requests within the SLO targets / requests submitted")
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
         self.preemptions = counter("preemptions", "Preemptions by mode", ["mode"])
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens by where their KV came from", ["source"])
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens by where their KV came from (recomputed: "
+                                     "computed again after a preemption)", ["source"])
         self.generated = counter("generated_tokens", "Tokens generated")
         self.controller_actions = counter("controller_actions", "Load-controller decisions", ["knob"])
         self.ttft = histogram("time_to_first_token_seconds", "Submission to first token")
@@ -44,12 +55,63 @@ class EngineMetrics:
         self.batch_tokens = histogram("batch_tokens", "Tokens per forward", SIZE_BUCKETS)
         self.batch_sequences = histogram("batch_sequences", "Sequences per forward", SIZE_BUCKETS)
 
+    # ---------------------------------------------------------- events
+    def count(self, name: str, amount: int = 1) -> None:
+        with self.lock:
+            self.counters[name] += amount
+
+    def ended(self, request, outcome: str) -> None:
+        self.count(f"requests_{outcome}")
+        self.requests.labels(outcome).inc()
+        if outcome == "finished":
+            self.e2e.observe(request.finished - request.arrived)
+
+    def admitted(self, request) -> None:
+        """A request's first admission (a preempted one coming back inherits its own blocks)."""
+        self.count("tokens_inherited", request.inherited)
+        self.prompt_tokens.labels("inherited").inc(request.inherited)
+        self.queue.observe(request.admitted - request.arrived)
+
+    def token(self, request, now: float) -> None:
+        """A token generated for `request` at `now`, before the request records it."""
+        self.count("tokens_generated")
+        self.generated.inc()
+        if request.first_token is None:
+            self.ttft.observe(now - request.arrived)
+        else:
+            self.itl.observe(now - request.last_token)
+
+    def forward(self, batch, first: int, again: int, running: int) -> None:
+        """A forward of `batch` ((request, tokens) rows) that ran: `first` prompt tokens computed
+        for the first time, `again` after a preemption, with `running` sequences running."""
+        self.count("tokens_prefilled", first)
+        self.count("tokens_recomputed", again)
+        self.prompt_tokens.labels("computed").inc(first)
+        self.prompt_tokens.labels("recomputed").inc(again)
+        with self.lock:
+            self.counters["max_running"] = max(self.counters["max_running"], running)
+        self.batch_tokens.observe(sum(n for _, n in batch))
+        self.batch_sequences.observe(len(batch))
+
+    def stepped(self, seconds: float) -> None:
+        self.count("steps")
+        self.step.observe(seconds)
+
+    def preempted(self, mode: str) -> None:
+        self.count("preemptions")
+        self.preemptions.labels(mode).inc()
+
+    # ----------------------------------------------------------- levels
     def observe_pool(self, stats: dict) -> None:
         total = max(stats["num_blocks"], 1)
         self.kv_usage.set(stats["blocks_used"] / total)
         for state in ("free", "used", "cached"):
             self.blocks.labels(state).set(stats[f"blocks_{state}"])
         self.host_blocks.set(stats.get("host_blocks_used", 0))
+
+    def observe_service(self, stats: dict) -> None:
+        self.goodput.set(stats["goodput"])
+        self.availability.set(stats["availability"])
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

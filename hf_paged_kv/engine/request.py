@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,10 +39,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        for name in ("max_new_tokens", "top_k"):
+            if isinstance(getattr(self, name), bool) or int(getattr(self, name)) != getattr(self, name):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.do_sample and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not math.isfinite(self.temperature) or (self.do_sample and self.temperature <= 0):
+            raise ValueError(f"temperature must be finite, and > 0 when sampling, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -71,7 +75,10 @@ class TokenStream:
     def _wake(self) -> None:
         self.changed.notify_all()
         for loop, future in self.waiters:
-            loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            try:
+                loop.call_soon_threadsafe(lambda f=future: f.done() or f.set_result(None))
+            except RuntimeError:  # that reader's event loop has closed: nobody waits there any more
+                pass
         self.waiters.clear()
 
     def wait_done(self, timeout: float | None) -> bool:
@@ -101,7 +108,12 @@ class TokenStream:
                     future = loop.create_future()
                     self.waiters.append((loop, future))
             if future is not None:
-                await future
+                try:
+                    await future
+                finally:  # a reader cancelled here leaves no waiter behind for a loop that may close
+                    with self.changed:
+                        if (loop, future) in self.waiters:
+                            self.waiters.remove((loop, future))
                 continue
             seen += len(fresh)
             for token in fresh:
@@ -133,6 +145,7 @@ class Request:
     preemptions: int = 0
     inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
+    reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
     swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
 
     def tokens(self) -> list[int]:

@@ -46,3 +46,15 @@ def commit(batch: list[tuple[Request, int]]) -> None:
         request.sequence.length += count
         request.sequence.history.extend(b"\x01" * count)
         request.computed += count
+        request.reached = max(request.reached, request.computed)
+
+
+def token_kinds(batch: list[tuple[Request, int]]) -> tuple[int, int]:
+    """`(prompt tokens computed for the first time, tokens computed again after a preemption)` of
+    a forward not yet committed; the rest are decodes (the token sampled last, fed once)."""
+    first = again = 0
+    for request, count in batch:
+        decode = 1 if request.generated and request.computed + count == len(request.tokens()) else 0
+        repeated = max(0, min(request.computed + count - decode, request.reached) - request.computed)
+        first, again = first + count - decode - repeated, again + repeated
+    return first, again

@@ -30,13 +30,19 @@ def warpers(request: Request) -> LogitsProcessorList:
     return chain
 
 
-def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One token per row of `logits` `[rows, vocab]` (row i belongs to requests[i])."""
-    chosen = logits.argmax(dim=-1).tolist()
+def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exception]:
+    """One token per row of `logits` `[rows, vocab]` (row i belongs to requests[i]), or the error
+    that sampling that row raised (it fails only its own request)."""
+    chosen: list[int | Exception] = logits.argmax(dim=-1).tolist()
     for row, request in enumerate(requests):
         if not request.params.do_sample:
             continue
-        scores = warpers(request)(None, logits[row : row + 1].float())
-        probabilities = torch.softmax(scores, dim=-1)
-        chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator))
+        try:
+            scores = warpers(request)(None, logits[row : row + 1].float())
+            probabilities = torch.softmax(scores, dim=-1)
+            if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:
+                continue  # sampling's limit as the temperature goes to 0, the argmax
+            chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator))
+        except Exception as error:  # noqa: BLE001 - reported to that request alone
+            chosen[row] = error
     return chosen

@@ -110,7 +110,9 @@ class Scheduler:
         """Whether memory covers the request's uncached tokens and the running ones' reserve."""
         size = self.pool.block_size
         needed = -(-(len(request.tokens()) + 1) // size) - inherited_blocks
-        keep_free = int(self.limits.watermark * self.pool.num_blocks)
+        # the watermark keeps room for running sequences: with none, a request it alone turns
+        # away would wait forever
+        keep_free = int(self.limits.watermark * self.pool.num_blocks) if self.running else 0
         return self.pool.num_available() - keep_free >= needed + self.reserve()
 
     def room_for_more(self, budget: int) -> bool:

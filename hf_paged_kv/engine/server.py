@@ -10,7 +10,9 @@ Prometheus text), `GET /health`. The engine runs in this process: the app starts
 starts and stops it when it stops.
 
 - `temperature: 0` is greedy; otherwise `temperature`, `top_p` (and the extension `top_k`)
-  sample, reproducibly with `seed`. `n` must be 1. `stop` (up to 4 strings) ends the text before
+  sample, reproducibly with `seed` (any 64-bit integer). `n` must be 1. A chat completion
+  without `max_tokens` may fill what the context leaves, or what one request can hold in the
+  pool if that is less. A message's `name` goes to the chat template. `stop` (up to 4 strings) ends the text before
   the first match. Extensions as in vLLM: `ignore_eos`, `return_token_ids` (the token ids of the
   prompt and of each choice, or of each chunk's text).
 - A field this server does not implement is refused with a 400 in OpenAI's error shape, unless
@@ -377,8 +379,10 @@ class OpenAIServer:
         top_k = 0 if body.top_k in (None, -1) else body.top_k
         if top_k < 0:
             raise invalid(f"top_k must be >= 0 (0 or -1: off), got {top_k}", "top_k")
-        if body.seed is not None and not 0 <= body.seed < 2**63:
-            raise invalid(f"seed must be in [0, 2**63), got {body.seed}", "seed")
+        if body.seed is not None and not -(2**63) <= body.seed < 2**64:  # OpenAI's are int64 (-1 is common)
+            raise invalid(f"seed must be a 64-bit integer, got {body.seed}", "seed")
+        if body.stream_options is not None and not body.stream:
+            raise invalid("stream_options is only allowed when stream is true", "stream_options")
         self.check_length(prompt_length, max_tokens)
         return dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
                     top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=[] if body.ignore_eos else None)
@@ -409,7 +413,9 @@ class OpenAIServer:
         asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         if asked is not None:
             return asked
-        room = self.context - prompt_length if self.context is not None else 256
+        pool = self.engine.pool
+        fits = pool.num_blocks * pool.block_size  # what one request can hold, when less than the context
+        room = min(self.context if self.context is not None else 256 + prompt_length, fits) - prompt_length
         return min(room, self.default_max_tokens) if self.default_max_tokens else room
 
     @staticmethod
@@ -482,11 +488,14 @@ class OpenAIServer:
                 yield chunk([], usage=usage(ids, generation))
         except APIError as error:
             yield sse(error.body())
+        except Exception as error:  # noqa: BLE001 - the status line is gone: the stream says what failed
+            yield sse(APIError(500, f"generation failed: {error!r}", kind="server_error").body())
         yield sse("[DONE]")
 
 
 def chat_message(message: dict, index: int) -> dict:
-    """One OpenAI chat message as the chat template expects it: a role and a string content."""
+    """One OpenAI chat message as the chat template expects it: a role and a string content (and
+    its `name`, for templates that show it)."""
     where = f"messages[{index}]"
     role, content = message.get("role"), message.get("content")
     role = "system" if role == "developer" else role
@@ -502,7 +511,10 @@ def chat_message(message: dict, index: int) -> dict:
         content = "\n".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise invalid(f"{where}.content must be a string or a list of text parts", f"{where}.content")
-    return {"role": role, "content": content}
+    name = message.get("name")
+    if name is not None and not isinstance(name, str):
+        raise invalid(f"{where}.name must be a string", f"{where}.name")
+    return {"role": role, "content": content} | ({"name": name} if name else {})
 
 
 def usage(ids: list[int], generation: Generation) -> dict:
