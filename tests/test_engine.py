@@ -9,9 +9,10 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
-from conftest import VOCAB, assert_pool_clean, make_model
+from conftest import VOCAB, assert_pool_clean, make_model, manual_clock
 from transformers import DynamicCache
 
 import hf_paged_kv
@@ -245,6 +246,15 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     broken.generator = "not a generator"
     chosen = sample(torch.randn(2, VOCAB), [broken, fine])
     assert isinstance(chosen[0], Exception) and isinstance(chosen[1], int)
+    broken.generator = torch.Generator().manual_seed(1)
+    scores = torch.randn(2, VOCAB)
+    scores[0, 3] = float("nan")  # a broken forward's scores fail their row, not turn into the argmax
+    chosen = sample(scores, [broken, fine])
+    assert isinstance(chosen[0], ValueError) and "not finite" in str(chosen[0]) and isinstance(chosen[1], int)
+    assert SamplingParams(top_k=np.int64(5)).top_k == 5 and type(SamplingParams(top_k=np.int64(5)).top_k) is int
+    for top_k in (2.0, float("inf"), True):
+        with pytest.raises(ValueError, match="top_k must be an integer"):
+            SamplingParams(top_k=top_k)
 
 
 def test_a_forward_that_fails_for_one_request_fails_only_that_one():
@@ -267,31 +277,37 @@ def test_a_forward_that_fails_for_one_request_fails_only_that_one():
     hf_paged_kv.disable(model)
 
 
-def test_a_reader_whose_event_loop_closed_does_not_stop_the_engine(model):
+def test_a_reader_whose_event_loop_closed_leaves_nothing_for_the_engine_to_trip_on():
+    """An `astream` reader given up on (a timeout) inside an event loop that then closes: the
+    engine pushing the next token must not raise (it did, and the scheduler thread died)."""
     import asyncio
 
-    with Engine(model, pool=KVPool(num_blocks=64, block_size=8)) as engine:
-        handle = engine.submit(prompts([9], seed=33)[0], max_new_tokens=40, eos_token_id=[])
+    from hf_paged_kv.engine.request import TokenStream
 
-        async def first_token():
-            async for token in handle.astream():
-                await asyncio.sleep(60)  # hold the stream, then time out
-                return token
+    stream = TokenStream()
 
-        with pytest.raises(asyncio.TimeoutError):
-            asyncio.run(asyncio.wait_for(first_token(), 0.2))  # that loop is closed now
-        assert len(handle.result(timeout=60)) == 40 and engine.thread.is_alive()
-        assert engine.submit([5, 6, 7], max_new_tokens=3).result(timeout=60)
-    assert_pool_clean(engine.pool)
+    async def first_token():
+        async for token in stream:
+            return token
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(asyncio.wait_for(first_token(), 0.05))  # waiting, cancelled; that loop is closed now
+    assert not stream.waiters
+    stream.push(7)
+    stream.close()
+    assert list(stream) == [7]
 
 
 def test_stop_and_start_and_a_submit_racing_with_stop(model):
     """A submit whose tokenization outlasts a concurrent stop() is refused, never lost; a stop
     that timed out leaves its loop running, and start() refuses to add a second one."""
 
+    tokenizing, stopped = threading.Event(), threading.Event()
+
     class SlowTokenizer:
         def __call__(self, text):
-            time.sleep(0.5)
+            tokenizing.set()
+            stopped.wait(10)
             return {"input_ids": [5, 6, 7]}
 
     engine = Engine(model, tokenizer=SlowTokenizer(), pool=KVPool(num_blocks=64, block_size=8)).start()
@@ -305,17 +321,18 @@ def test_stop_and_start_and_a_submit_racing_with_stop(model):
 
     thread = threading.Thread(target=submit)
     thread.start()
-    time.sleep(0.1)
+    tokenizing.wait(10)
     engine.stop()
+    stopped.set()
     thread.join()
-    assert isinstance(outcome[0], PagedKVError) and "stopped" in str(outcome[0])
+    assert isinstance(outcome[0], PagedKVError) and "stopped while the request was being submitted" in str(outcome[0])
     engine.start()
-    long = engine.submit(prompts([9], seed=34)[0], max_new_tokens=60, eos_token_id=[])
+    long = engine.submit(prompts([9], seed=34)[0], max_new_tokens=400, eos_token_id=[])
     engine.stop(drain=True, timeout=0.01)
     with pytest.raises(PagedKVError, match="still stopping"):
         engine.start()
     engine.stop()
-    assert len(long.result(timeout=1)) == 60
+    assert len(long.result(timeout=1)) == 400
     engine.start()
     assert engine.submit([5, 6, 7], max_new_tokens=2).result(timeout=60)
     engine.stop()
@@ -339,6 +356,27 @@ def test_a_request_only_the_watermark_turns_away_is_admitted_when_nothing_runs(m
     with engine:  # 6 of 8 blocks, more than the watermark leaves free: it would wait forever
         assert len(engine.submit(prompts([40], seed=35)[0], max_new_tokens=4, eos_token_id=[]).result(timeout=60)) == 4
     assert_pool_clean(engine.pool)
+
+
+def test_a_shared_prefix_the_index_cannot_take_is_not_waited_for_until_its_request_ends():
+    """A request sharing a prefix that another is computing waits for those blocks. When an
+    expired copy of the prefix still holds its name, the index does not take the new blocks:
+    the wait ends when the other has computed them, not when it has finished generating."""
+    model = make_model("llama", seed=9)
+    pool = KVPool(num_blocks=64, block_size=8, ttl=10)
+    clock = manual_clock(pool)
+    prefix = prompts([32], seed=36)[0]
+    first, second = (prefix + tail for tail in prompts([8, 8], seed=37))
+    with Engine(model, pool=pool, controller=False, max_batch_tokens=16) as engine:
+        engine.submit(prefix + [5], max_new_tokens=1).result(timeout=60)  # indexed at t = 0 ...
+        clock[0] = 100.0  # ... and expired now, its name still taken
+        long = engine.submit(first, max_new_tokens=30, eos_token_id=[])
+        short = engine.submit(second, max_new_tokens=2, eos_token_id=[])
+        assert short.result(timeout=60) == alone(model, second, new=2)
+        long.result(timeout=60)
+    assert short.request.last_token < long.request.last_token
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
 
 
 def test_engine_and_generate_share_cached_prefixes():

@@ -163,7 +163,7 @@ def test_a_refusal_after_a_budget_shrink_still_warns(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
     explicit = hf_paged_kv.pin(model, tokens(64, 40), priority=5)  # 8 blocks
     with pool.locked():
-        pool.reuse.pins.shrink_to(0.1)  # 4 blocks, as the load controller does: the pin is dropped and counted
+        pool.reuse.pins.set_budget(0.1)  # 4 blocks, as the load controller does: the pin is dropped and counted
     assert pool.stats()["pins_refused"] == 1 and pool.stats()["blocks_pinned"] == 0
     explicit = hf_paged_kv.pin(model, tokens(32, 41), priority=5)  # 4 blocks: the budget is full again
     with pytest.warns(UserWarning, match="pin refused"):
@@ -187,20 +187,20 @@ def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
     low = hf_paged_kv.pin(model, tokens(48, 51), priority=1)  # 6 blocks
     gone = hf_paged_kv.pin(model, tokens(32, 52), priority=0)  # 4 blocks
     with pool.locked():
-        pool.reuse.pins.shrink_to(0.15)  # 6 blocks: only the highest priority stays
+        pool.reuse.pins.set_budget(0.15)  # 6 blocks: only the highest priority stays
     stats = pool.stats()
     assert stats["blocks_pinned"] == 6 and stats["pins_given_way"] == 2 and stats["pins_refused"] == 2
     hf_paged_kv.unpin(model, gone)  # unpinned while it had given way: gone for good
     with pool.locked():
-        pool.reuse.pins.shrink_to(0.5)
+        pool.reuse.pins.set_budget(0.5)
     stats = pool.stats()
     assert sorted(p["id"] for p in stats["pins"]) == [high.id, low.id]
     assert stats["blocks_pinned"] == 12 and stats["pins_given_way"] == 0
     with pool.locked():
-        pool.reuse.pins.shrink_to(0.15)  # the low pin gives way again ...
+        pool.reuse.pins.set_budget(0.15)  # the low pin gives way again ...
     pool.decref(pool.allocate(pool.num_available()))  # ... and its blocks are evicted meanwhile
     with pool.locked():
-        pool.reuse.pins.shrink_to(0.5)
+        pool.reuse.pins.set_budget(0.5)
     stats = pool.stats()
     assert [p["id"] for p in stats["pins"]] == [high.id] and stats["pins_given_way"] == 0
     assert hf_paged_kv.cached_tokens(model, tokens(48, 51))["device"] == 0

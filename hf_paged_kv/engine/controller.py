@@ -108,7 +108,7 @@ class Controller:
         self.seen: set[int] = set()  # the priorities waiting since overload began
         budget = self.knobs.get("max_batch_tokens")
         self.budget_configured = budget.value if budget else None
-        self.budget_moved = float("-inf")
+        self.budget_moved = self.budget_shrunk = float("-inf")
 
     def tick(self, signals: Signals, now: float, priorities=()) -> bool:
         """Read the signals and move the knobs; True when it decided (once per `tick` seconds).
@@ -143,7 +143,7 @@ class Controller:
         # the waits of admitted requests lag the queue by their whole wait: shedding on them alone
         # turns requests away after the burst has drained, so the live queue must agree; and when
         # nothing is admitted at all, no wait is recorded, so the oldest waiting request counts too
-        waits = max(short["queue_wait_p95"], current["oldest_wait"])
+        waits = short["queue_wait_p95"] if short["queue_wait_rate"] > 0 else current["oldest_wait"]
         overloaded = waits > self.limits.overload_wait * self.slo.ttft and current["oldest_wait"] > self.slo.ttft
         recovered = current["oldest_wait"] < self.limits.recover_wait * self.slo.ttft
         state = self.state
@@ -165,8 +165,9 @@ class Controller:
     def _batch_budget(self, signals: Signals, short: dict, current: dict, now: float) -> None:
         """Shrink the token budget when per-token latency breaks its target; grow it back while
         requests queue and both latencies have headroom; with no queue, return to the configured
-        budget. A shrink needs evidence newer than the last move (the window still holds what that
-        move answered: read again, one slow request took the budget to its floor in 2 s). First
+        budget. A shrink needs the window's p95 over the target and evidence newer than the last
+        move (the window still holds what that move answered: read again, one slow request took the
+        budget to its floor in 2 s); nothing grows back until that evidence has left the window. First
         tokens have no headroom when their p95 or the oldest waiting request has used half the
         target: a larger forward delays every first token in it, and in a burst the short prompts
         admitted first would wait for the long ones (on bench_load's trace the budget doubled in a
@@ -175,10 +176,14 @@ class Controller:
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
-        fresh, count = signals.p95("per_token", max(now - signals.windows["short"], self.budget_moved))
+        window = signals.windows["short"]
+        fresh, count = signals.p95("per_token", max(now - window, self.budget_moved))
         slow = short["per_token_p95"] > self.slo.per_token
-        if count and fresh > self.slo.per_token:
+        if slow and count and fresh > self.slo.per_token:
             value = knob.value * 0.75
+            self.budget_shrunk = now
+        elif now - self.budget_shrunk < window:  # what made it shrink is still in the window
+            return
         elif current["queue_depth"] >= 1:
             if not (short["per_token_p95"] < 0.7 * self.slo.per_token
                     and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
@@ -243,7 +248,7 @@ def engine_knobs(engine) -> list[Knob]:
 
     def shrink_pins(value):  # the pins' registry changes only under the pool's lock
         with pool.locked():
-            pins.shrink_to(value)
+            pins.set_budget(value)
 
     budget, pin_budget, half_life, depth = limits.max_batch_tokens, pins.budget, policy.half_life, limits.prefetch_depth
     knobs = [

@@ -84,6 +84,8 @@ class Engine:
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
+        if self.thread is not None and not self.thread.is_alive():  # a stop() that timed out, since done
+            self.thread = None
         if self.thread is not None and not self.accepting:
             raise PagedKVError("the engine's previous loop is still stopping: call stop() again and let it finish")
         if self.thread is None:
@@ -120,13 +122,13 @@ class Engine:
         ids = _prompt_ids(prompt, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
-        self.load.admit_or_refuse(priority)
         request = Request(ids, params, tenant=tenant, priority=priority)
         if seed is not None:
             request.generator = torch.Generator(self.device).manual_seed(seed)
-        with self.gate:
+        with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:
                 raise PagedKVError("the engine stopped while the request was being submitted")
+            self.load.admit_or_refuse(priority)
             self.incoming.put(request)
         self.wakeup.set()
         return RequestHandle(request, self)
@@ -151,7 +153,7 @@ class Engine:
                     idle = False
                     continue
             except Exception as error:  # noqa: BLE001 - a step that fails must not leave requests waiting forever
-                log.exception("the engine's step failed: the requests in flight fail, the engine goes on")
+                log.exception("the engine's step failed: every request running or waiting fails, the engine goes on")
                 for request in self.scheduler.waiting + self.scheduler.running:
                     self._end(request, "failed", RequestFailed(f"the engine's step failed: {error!r}"))
             if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
@@ -196,23 +198,25 @@ class Engine:
                                           self.metrics, ends_prompts)
         if not batch:
             return False
-        self._forward(batch)
+        whole = self._forward(batch)
         self.scheduler.decay()
         seconds = time.perf_counter() - started
         self.metrics.stepped(seconds)
-        self.admission.costs.record(sum(n for _, n in batch), seconds)
+        if whole:  # a step that ran its rows one by one would inflate what a token costs
+            self.admission.costs.record(sum(n for _, n in batch), seconds)
         return True
 
-    def _forward(self, batch: list[tuple[Request, int]]) -> None:
+    def _forward(self, batch: list[tuple[Request, int]]) -> bool:
+        """Run, commit and sample `batch`; False when it failed (and its rows ran one by one)."""
         try:
             logits, sampling = runner.forward(self.model, self.backend, self.pool, batch)
         except Exception as error:  # noqa: BLE001 - a failed forward fails its requests, never the engine
             if len(batch) > 1:  # find the culprit: each alone (their KV slots are written again)
                 for row in batch:
                     self._forward([row])
-                return
-            self._end(batch[0][0], "failed", RequestFailed(f"forward failed: {error!r}"))
-            return
+            else:
+                self._end(batch[0][0], "failed", RequestFailed(f"forward failed: {error!r}"))
+            return False
         self.metrics.forward(batch, *runner.token_kinds(batch), len(self.scheduler.running))
         runner.commit(batch)
         self.admission.indexed(batch)
@@ -222,6 +226,7 @@ class Engine:
                 self._end(request, "failed", RequestFailed(f"sampling failed: {token!r}"))
             else:
                 self._emit(request, token, now)
+        return True
 
     def _emit(self, request: Request, token: int, now: float) -> None:
         if request.cancel_requested:

@@ -54,7 +54,7 @@ class LoadControl:
             ahead, why = self.late_ahead(priority), f"overloaded: priority {priority} is shed for now"
         else:
             return
-        engine.metrics.ended(None, "rejected")
+        engine.metrics.rejected()
         self.signals.record("rejection")
         raise Overloaded(self.retry_after(ahead), why)
 
@@ -92,7 +92,7 @@ class LoadControl:
         """Requests admitted per second over the short window (each admission records its wait)."""
         now = time.monotonic()
         span = self.signals.windows["short"]
-        admitted = self.signals.p95("queue_wait", now - span)[1]
+        admitted = self.signals.count("queue_wait", now - span)
         return admitted / min(span, max(now - self.signals.started, 1e-3))
 
     def _late(self, request: Request, now: float) -> bool:

@@ -60,6 +60,11 @@ class EngineMetrics:
         with self.lock:
             self.counters[name] += amount
 
+    def rejected(self) -> None:
+        """A request refused at submit."""
+        self.count("requests_rejected")
+        self.requests.labels("rejected").inc()
+
     def ended(self, request, outcome: str) -> None:
         self.count(f"requests_{outcome}")
         self.requests.labels(outcome).inc()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import operator
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,8 +41,13 @@ class SamplingParams:
 
     def __post_init__(self):
         for name in ("max_new_tokens", "top_k"):
-            if isinstance(getattr(self, name), bool) or int(getattr(self, name)) != getattr(self, name):
-                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            try:
+                if isinstance(value, bool):
+                    raise TypeError
+                object.__setattr__(self, name, operator.index(value))  # numpy integers too, as int
+            except TypeError:
+                raise ValueError(f"{name} must be an integer, got {value!r}") from None
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or (self.do_sample and self.temperature <= 0):

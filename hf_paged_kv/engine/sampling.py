@@ -38,6 +38,8 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
         if not request.params.do_sample:
             continue
         try:
+            if not torch.isfinite(logits[row]).all():
+                raise ValueError("the model's scores for this row are not finite")
             scores = warpers(request)(None, logits[row : row + 1].float())
             probabilities = torch.softmax(scores, dim=-1)
             if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:

@@ -86,6 +86,11 @@ class Signals:
             recent = self._values(event, since)
         return _p95(recent), len(recent)
 
+    def count(self, event: str, since: float) -> int:
+        """How many `event`s were recorded since `since`."""
+        with self.lock:
+            return sum(1 for t, _ in self.events[event] if t >= since)
+
     def _values(self, event: str, since: float) -> np.ndarray:
         return np.array([v for t, v in self.events[event] if t >= since], dtype=float)
 

@@ -23,8 +23,8 @@ Pins expire at their TTL.
 
 A lower budget (the load controller halves it under memory pressure) makes pins beyond it give
 way, lowest priority and then oldest first; they come back, highest priority first, when the
-budget grows again, if their blocks are still cached under the same digests (a block evicted in
-between cannot come back: its KV is gone).
+budget grows again, if their blocks are still cached on the device under the same digests (a
+block evicted or demoted to a lower tier in between does not come back).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class PinRegistry:
     """The pool's pins. Every call happens under the pool's lock.
 
     `hot_threshold` may be changed at any time (the load controller does); the budget changes
-    through `shrink_to`.
+    through `set_budget`.
     """
 
     def __init__(self, allocator: BlockAllocator, index: PrefixIndex, budget: float, hot_threshold: float | None):
@@ -161,7 +161,7 @@ class PinRegistry:
             self.remove(pin)  # superseded by the longer hot prefix
         self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
 
-    def shrink_to(self, budget: float) -> None:
+    def set_budget(self, budget: float) -> None:
         """A new budget (a fraction of the pool). Pins beyond it give way, lowest priority and then
         oldest first (automatic hot-spot pins, priority -1, before any other); under a larger one,
         those that gave way come back where they fit and their blocks are still cached."""
@@ -178,15 +178,20 @@ class PinRegistry:
         self._restore()
 
     def _restore(self) -> None:
+        """Pins that gave way come back, highest priority first, while the next one fits (no
+        lower priority passes a higher one), on the device blocks their digests name now."""
         now = self.index.policy.now()
         for pin, digests in sorted(self.given_way, key=lambda entry: (-entry[0].priority, entry[0].created)):
-            cached = all(self.index.lookup(d, now) == block for d, block in zip(digests, pin.blocks))
-            if not cached or (pin.expires is not None and now >= pin.expires):
-                self.given_way.remove((pin, digests))
-            elif len(self.pinned_blocks() | set(pin.blocks)) <= self.budget_blocks:
-                self.given_way.remove((pin, digests))
-                self.allocator.incref(pin.blocks)
-                self.pins[pin.id] = pin
+            blocks = [self.index.lookup(digest, now) for digest in digests]
+            if None in blocks or (pin.expires is not None and now >= pin.expires):
+                self.given_way.remove((pin, digests))  # its KV left the device, or its time is up
+                continue
+            if len(self.pinned_blocks() | set(blocks)) > self.budget_blocks:
+                break
+            self.given_way.remove((pin, digests))
+            pin.blocks = blocks
+            self.allocator.incref(blocks)
+            self.pins[pin.id] = pin
 
     def release_all(self) -> None:
         """Drop every pin (the blocks stay cached)."""
