@@ -107,12 +107,12 @@ def test_overload_sheds_one_waiting_priority_per_dwell_and_recovers():
 
 
 def test_an_admission_stall_reaches_overload():
-    """Waits are recorded when requests are admitted: when nothing is admitted, the oldest
-    waiting request's wait alone must still say that the queue is far behind."""
+    """Waits are recorded when requests are admitted: when nothing is admitted, the ages of the
+    requests waiting must still say that the queue is far behind."""
     clock, signals, controller, _, _ = setup()
-    run(clock, signals, controller, FULL | dict(oldest_wait=1.5), 6)
+    run(clock, signals, controller, FULL | dict(oldest_wait=1.5, queue_age_p95=1.5), 6)
     assert controller.state != "overload"  # late, but not yet far behind
-    run(clock, signals, controller, FULL | dict(oldest_wait=2.5), 4)  # no admission, no queue_wait event
+    run(clock, signals, controller, FULL | dict(oldest_wait=2.5, queue_age_p95=2.5), 4)  # no admission, no wait event
     assert controller.state == "overload" and controller.shed_below == 1
 
 
@@ -217,26 +217,34 @@ def test_one_slow_request_among_many_fast_ones_does_not_move_the_budget():
     per-token latency breaks its target. And after a shrink nothing grows back before the
     evidence behind it has left the window (else it flapped: shrink, grow, shrink)."""
     clock, signals, controller, _, _ = setup()
-    queued = dict(kv_usage=0.2, queue_depth=4)
-    run(clock, signals, controller, queued, 1.0, events=[("per_token", 0.01)] * 20)  # grows on headroom
-    grown = controller.knobs["max_batch_tokens"].value
-    signals.record("per_token", 0.5, clock.now)  # one request 5x over the target among 40 fast ones
+    queued, budget = dict(kv_usage=0.2, queue_depth=4), controller.knobs["max_batch_tokens"]
+    run(clock, signals, controller, queued, 1.0, events=[("per_token", 0.01)] * 20)
+    run(clock, signals, controller, queued, 0.5)  # a move with no evidence at its time
+    grown = budget.value
+    signals.record("per_token", 0.5, clock.now + 0.1)  # the only evidence since: 5x the target
     run(clock, signals, controller, queued, 0.5)
-    assert controller.knobs["max_batch_tokens"].value >= grown
-    run(clock, signals, controller, queued, 4, events=[("per_token", 0.5)] * 3)  # now the window breaks it
-    shrunk = controller.knobs["max_batch_tokens"].value
-    assert shrunk < grown
-    run(clock, signals, controller, queued, 1.5, events=[("per_token", 0.01)] * 10)  # the slow ones still in the window
-    assert controller.knobs["max_batch_tokens"].value == shrunk
+    assert budget.value >= grown  # one of 41 in the window: not a broken target
+    for _ in range(10):
+        signals.record("per_token", 0.5, clock.now)  # a fifth of the window now: broken
+    run(clock, signals, controller, queued, 0.5)
+    shrunk = budget.value
+    assert 64 < shrunk < grown
+    run(clock, signals, controller, queued, 1.5, events=[("per_token", 0.01)] * 100)  # headroom again ...
+    assert budget.value == shrunk  # ... but the slow ones are still in the window
+    run(clock, signals, controller, queued, 1.0, events=[("per_token", 0.01)] * 100)
+    assert budget.value > shrunk  # they have left it
 
 
-def test_one_starved_request_while_others_are_admitted_is_not_overload():
-    """The oldest wait stands in for the queue's waits only when nothing is admitted: a request
-    passed by others (lower priority, or too large for memory now) does not put the engine in
-    overload while the queue moves."""
+def test_a_starved_priority_is_overload_and_one_starved_request_is_not():
+    """The waits of the requests still waiting count as well as those of the admitted ones: a
+    priority starved while others are admitted puts the engine in overload, so that it is shed
+    with a retry_after; one request passed by the rest (the p95 of the waiting ages stays low)
+    does not."""
     clock, signals, controller, _, _ = setup()
-    run(clock, signals, controller, FULL | dict(oldest_wait=5.0), 8, events=[("queue_wait", 0.2)])
+    run(clock, signals, controller, FULL | dict(oldest_wait=5.0, queue_age_p95=0.3), 8, events=[("queue_wait", 0.2)])
     assert controller.state != "overload"
+    run(clock, signals, controller, FULL | dict(oldest_wait=5.0, queue_age_p95=4.0), 4, events=[("queue_wait", 0.2)])
+    assert controller.state == "overload"
 
 
 def test_knobs_start_and_end_at_their_configured_values_and_pressure_only_tightens():

@@ -249,8 +249,11 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
     broken.generator = torch.Generator().manual_seed(1)
     scores = torch.randn(2, VOCAB)
     scores[0, 3] = float("nan")  # a broken forward's scores fail their row, not turn into the argmax
+    scores[1, 4] = float("-inf")  # an impossible token is a score, not a fault
     chosen = sample(scores, [broken, fine])
-    assert isinstance(chosen[0], ValueError) and "not finite" in str(chosen[0]) and isinstance(chosen[1], int)
+    assert isinstance(chosen[0], ValueError) and "NaN" in str(chosen[0]) and isinstance(chosen[1], int)
+    greedy = Request([5], SamplingParams())
+    assert isinstance(sample(scores[:1], [greedy])[0], ValueError)  # greedy too: no argmax of NaNs
     assert SamplingParams(top_k=np.int64(5)).top_k == 5 and type(SamplingParams(top_k=np.int64(5)).top_k) is int
     for top_k in (2.0, float("inf"), True):
         with pytest.raises(ValueError, match="top_k must be an integer"):
@@ -258,8 +261,8 @@ def test_a_row_that_cannot_be_sampled_fails_alone():
 
 
 def test_a_forward_that_fails_for_one_request_fails_only_that_one():
-    """GPT-2's positions are learned (1024 here): a request running past them makes the forward
-    fail. The others in that forward are run again without it and served."""
+    """GPT-2's positions are learned (1024 here): the forward in which a request runs past them
+    fails. The others in that forward are run again without it and served."""
     from hf_paged_kv.engine import RequestFailed
 
     model = make_model("gpt2", seed=8)
@@ -273,6 +276,7 @@ def test_a_forward_that_fails_for_one_request_fails_only_that_one():
         with pytest.raises(RequestFailed, match="forward failed"):
             handles[1].result(timeout=60)
     assert engine.stats()["requests_failed"] == 1
+    assert len(engine.admission.costs.steps()) == engine.stats()["steps"] - 1  # all but the step run row by row
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 
@@ -294,8 +298,12 @@ def test_a_reader_whose_event_loop_closed_leaves_nothing_for_the_engine_to_trip_
         asyncio.run(asyncio.wait_for(first_token(), 0.05))  # waiting, cancelled; that loop is closed now
     assert not stream.waiters
     stream.push(7)
+    loop = asyncio.new_event_loop()  # and a waiter whose loop closed before it could be removed
+    stream.waiters.append((loop, loop.create_future()))
+    loop.close()
+    stream.push(8)
     stream.close()
-    assert list(stream) == [7]
+    assert list(stream) == [7, 8] and not stream.waiters
 
 
 def test_stop_and_start_and_a_submit_racing_with_stop(model):
@@ -326,13 +334,14 @@ def test_stop_and_start_and_a_submit_racing_with_stop(model):
     stopped.set()
     thread.join()
     assert isinstance(outcome[0], PagedKVError) and "stopped while the request was being submitted" in str(outcome[0])
+    assert engine.stats()["requests_submitted"] == 0  # refused at the gate: never submitted
     engine.start()
     long = engine.submit(prompts([9], seed=34)[0], max_new_tokens=400, eos_token_id=[])
     engine.stop(drain=True, timeout=0.01)
     with pytest.raises(PagedKVError, match="still stopping"):
         engine.start()
-    engine.stop()
-    assert len(long.result(timeout=1)) == 400
+    assert len(long.result(timeout=60)) == 400
+    engine.thread.join(60)  # the loop drains and ends by itself: start() needs no second stop()
     engine.start()
     assert engine.submit([5, 6, 7], max_new_tokens=2).result(timeout=60)
     engine.stop()
@@ -358,10 +367,10 @@ def test_a_request_only_the_watermark_turns_away_is_admitted_when_nothing_runs(m
     assert_pool_clean(engine.pool)
 
 
-def test_a_shared_prefix_the_index_cannot_take_is_not_waited_for_until_its_request_ends():
-    """A request sharing a prefix that another is computing waits for those blocks. When an
-    expired copy of the prefix still holds its name, the index does not take the new blocks:
-    the wait ends when the other has computed them, not when it has finished generating."""
+def test_a_shared_prefix_computed_again_after_it_expired_is_inherited_at_once():
+    """A request sharing a prefix that another is computing waits for those blocks until the
+    index takes them. An expired copy of the prefix kept its name, so the index did not take
+    the new blocks and the wait lasted until the other request had finished generating."""
     model = make_model("llama", seed=9)
     pool = KVPool(num_blocks=64, block_size=8, ttl=10)
     clock = manual_clock(pool)
@@ -374,7 +383,7 @@ def test_a_shared_prefix_the_index_cannot_take_is_not_waited_for_until_its_reque
         short = engine.submit(second, max_new_tokens=2, eos_token_id=[])
         assert short.result(timeout=60) == alone(model, second, new=2)
         long.result(timeout=60)
-    assert short.request.last_token < long.request.last_token
+    assert short.request.last_token < long.request.last_token and short.timings["inherited"] == 32
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
 

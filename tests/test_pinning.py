@@ -205,5 +205,16 @@ def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
     assert [p["id"] for p in stats["pins"]] == [high.id] and stats["pins_given_way"] == 0
     assert hf_paged_kv.cached_tokens(model, tokens(48, 51))["device"] == 0
     assert skip_of(model, torch.cat([system, tokens(5, 53)]))[0] == 48  # the pinned prefix stayed
-    hf_paged_kv.unpin(model, high)
+    low = hf_paged_kv.pin(model, tokens(48, 51), priority=1)  # 6 blocks again
+    small = hf_paged_kv.pin(model, tokens(16, 54), priority=0)  # 2 blocks
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.15)  # 6 blocks: the small pin and the low one give way
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.2)  # 8 blocks: the small pin would fit, but not before the low one
+    assert pool.stats()["pins_given_way"] == 2 and pool.stats()["blocks_pinned"] == 6
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.5)
+    assert pool.stats()["pins_given_way"] == 0 and pool.stats()["blocks_pinned"] == 14
+    for pin in (high, low, small):
+        hf_paged_kv.unpin(model, pin)
     assert_pool_clean(pool)

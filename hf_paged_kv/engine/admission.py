@@ -217,25 +217,20 @@ class Admission:
         return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self._chain(request))
 
     def _register_inflight(self, request: Request) -> None:
-        size = self.pool.block_size
-        computed_blocks = request.sequence.length // size
-        for position, digest in enumerate(self._chain(request)[computed_blocks:], start=computed_blocks):
-            self.scheduler.inflight.setdefault(digest, (request, (position + 1) * size))
+        computed_blocks = request.sequence.length // self.pool.block_size
+        for digest in self._chain(request)[computed_blocks:]:
+            self.scheduler.inflight.setdefault(digest, request)
 
     def indexed(self, batch: list[tuple[Request, int]]) -> None:
         """After a forward: index the sequences' newly full blocks, so waiting requests sharing
-        them inherit them; those digests are no longer in flight, nor are blocks their request has
-        computed but the index did not take (an expired twin keeps the name: waiting for it would
-        last until that request ends)."""
+        them inherit them; those digests are no longer in flight."""
         with self.pool.locked():
             for request, _ in batch:
                 if request.outcome is None:
                     self.pool.reuse.index_sequence(self.model, request.tenant, request.sequence, request.priority)
             now = self.pool.policy.now()
-            self.scheduler.inflight = {
-                digest: (request, end) for digest, (request, end) in self.scheduler.inflight.items()
-                if request.outcome is None and request.sequence.length < end
-                and self.pool.reuse.index.lookup(digest, now) is None}
+            self.scheduler.inflight = {d: r for d, r in self.scheduler.inflight.items()
+                                       if r.outcome is None and self.pool.reuse.index.lookup(d, now) is None}
 
     # ----------------------------------------------------------- preempt
     def preempt(self, request: Request) -> str:

@@ -11,7 +11,8 @@ flaps:
   so cold prefixes leave sooner, prefetching stops, and cold cached blocks are demoted to the
   host tier ahead of need (each only tightens what was configured); left when memory is calm in
   both windows;
-- **overload** (requests waited far longer than the target and the queue still holds late ones):
+- **overload** (requests waited far longer than the target, admitted lately or still waiting,
+  and the queue still holds late ones):
   all of the above, and the lowest priorities are shed – waiting ones past their target turned
   away, and new ones refused while requests of their priority or above wait late, each with an
   honest `retry_after` – raising the shed level through the waiting priorities, one per dwell,
@@ -20,7 +21,8 @@ flaps:
 Independently of the state, the batch token budget shrinks when the per-token latency of
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
 the target, once per new evidence, returns to its configured value with no queue, and grows
-while there is a queue and both per-token latency and time to
+(both only once the slow requests behind a shrink have left the window) while there is a queue
+and both per-token latency and time to
 first token have headroom. Every knob is bounded, every change is logged and counted
 (`controller_actions_total{knob=...}`), and the current values are in `engine.stats()` and the
 metrics.
@@ -141,9 +143,10 @@ class Controller:
         # pressure would be left while memory is still full
         calm = max(short["kv_usage"], long["kv_usage"]) < self.limits.kv_low and short["preemption_rate"] == 0
         # the waits of admitted requests lag the queue by their whole wait: shedding on them alone
-        # turns requests away after the burst has drained, so the live queue must agree; and when
-        # nothing is admitted at all, no wait is recorded, so the oldest waiting request counts too
-        waits = short["queue_wait_p95"] if short["queue_wait_rate"] > 0 else current["oldest_wait"]
+        # turns requests away after the burst has drained, so the live queue must agree. And the
+        # requests still waiting count as well as those admitted: with nothing admitted (a stall),
+        # or a priority starved while others are admitted, no late wait is ever recorded
+        waits = max(short["queue_wait_p95"], current["queue_age_p95"])
         overloaded = waits > self.limits.overload_wait * self.slo.ttft and current["oldest_wait"] > self.slo.ttft
         recovered = current["oldest_wait"] < self.limits.recover_wait * self.slo.ttft
         state = self.state

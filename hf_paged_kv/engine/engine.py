@@ -169,8 +169,9 @@ class Engine:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()
 
     def _intake(self) -> None:
-        while not self.incoming.empty():
-            self.scheduler.enqueue(self.incoming.get())
+        with self.gate:  # a request moving between the queues is in neither: submit's backlog would miss it
+            while not self.incoming.empty():
+                self.scheduler.enqueue(self.incoming.get())
         while not self.cancelled.empty():
             request = self.cancelled.get()
             if request.outcome is None:

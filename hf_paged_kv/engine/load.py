@@ -12,6 +12,8 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
+
 from ..errors import Overloaded
 from .controller import SLO, STATES, Controller, Thresholds, engine_knobs
 from .request import Request
@@ -116,10 +118,11 @@ class LoadControl:
         now = time.monotonic()
         engine, stats = self.engine, self.engine.pool.stats()
         total = max(stats["num_blocks"], 1)
-        fresh = [request.arrived for request in engine.scheduler.waiting if not request.generated]
+        ages = np.array([now - request.arrived for request in engine.scheduler.waiting if not request.generated])
         self.signals.sample_levels({
             "queue_depth": len(engine.scheduler.waiting),
-            "oldest_wait": now - min(fresh) if fresh else 0.0,
+            "oldest_wait": float(ages.max()) if len(ages) else 0.0,
+            "queue_age_p95": float(np.percentile(ages, 95)) if len(ages) else 0.0,
             "kv_usage": stats["blocks_used"] / total,
             "host_usage": stats.get("host_blocks_used", 0) / max(stats.get("host_blocks", 1), 1),
             "pinned_share": stats["blocks_pinned"] / total,

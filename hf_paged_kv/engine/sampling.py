@@ -34,12 +34,14 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
     """One token per row of `logits` `[rows, vocab]` (row i belongs to requests[i]), or the error
     that sampling that row raised (it fails only its own request)."""
     chosen: list[int | Exception] = logits.argmax(dim=-1).tolist()
+    broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()  # -inf: an impossible token
     for row, request in enumerate(requests):
+        if broken[row]:  # greedy or not: the argmax of NaNs is no answer
+            chosen[row] = ValueError("the model's scores for this row are NaN or +inf")
+            continue
         if not request.params.do_sample:
             continue
         try:
-            if not torch.isfinite(logits[row]).all():
-                raise ValueError("the model's scores for this row are not finite")
             scores = warpers(request)(None, logits[row : row + 1].float())
             probabilities = torch.softmax(scores, dim=-1)
             if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:

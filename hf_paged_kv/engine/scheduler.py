@@ -66,8 +66,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.growth_ratio = limits.growth_ratio_init
-        # digests of blocks a running prefill will index -> (that request, its length once they are in)
-        self.inflight: dict[bytes, tuple[Request, int]] = {}
+        self.inflight: dict[bytes, Request] = {}  # digests of blocks a running prefill will index
 
     # ------------------------------------------------------------ queues
     def enqueue(self, request: Request) -> None:
@@ -84,7 +83,7 @@ class Scheduler:
         self.forget_inflight(request)
 
     def forget_inflight(self, request: Request) -> None:
-        self.inflight = {d: entry for d, entry in self.inflight.items() if entry[0] is not request}
+        self.inflight = {d: r for d, r in self.inflight.items() if r is not request}
 
     # ----------------------------------------------------------- choosing
     def continuing(self, budget: int) -> list[tuple[Request, int]]:

@@ -28,7 +28,7 @@ import numpy as np
 # (single gaps are not: the one that waits out a 256-token prefill chunk breaks a 0.3 s target
 # in requests whose mean is 0.06 s, and the controller shrank bench_load's budget on it)
 EVENTS = ("arrival", "ttft", "per_token", "queue_wait", "preemption", "rejection")
-LEVELS = ("queue_depth", "oldest_wait", "kv_usage", "host_usage", "pinned_share", "hit_rate_device", "hit_rate_host",
+LEVELS = ("queue_depth", "oldest_wait", "queue_age_p95", "kv_usage", "host_usage", "pinned_share", "hit_rate_device", "hit_rate_host",
           "hit_rate_disk")
 
 

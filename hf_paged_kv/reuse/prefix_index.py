@@ -93,7 +93,7 @@ class PrefixIndex:
             if known is not None and known != block:
                 replacements.append((position, known))
                 block = known
-            elif block not in self.metas and digest not in self.by_digest:  # an expired twin keeps the name
+            elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
                 weight = self._revive(digest, now)
                 meta = self.policy.new_meta(digest, tenant, position, model, now, weight, priority, self.block_size)
                 self._add(block, meta, parent)
