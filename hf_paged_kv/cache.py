@@ -306,4 +306,5 @@ def _stored_columns(attention_mask, batch: int, width: int) -> np.ndarray:
         raise PagedKVError(
             f"PagedCache needs a 2D [batch, length] attention_mask (got {attention_mask.dim()}D): it reads padding from it"
         )
+    prefill.check_mask(tuple(attention_mask.shape), batch, width)
     return attention_mask[:, -width:].detach().cpu().numpy().astype(bool)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import planner
-from .errors import PoolExhaustedError
+from .errors import PagedKVError, PoolExhaustedError
 from .pool import KVPool
 from .sequence import Sequence
 from .step import StepPlan
@@ -30,23 +30,23 @@ def prepare_forward(pool: KVPool, sequences: list[Sequence] | None, ids: np.ndar
     canonical = duplicate_rows(ids, real) if fresh and (ids >= 0).all() else np.arange(batch)
     vectors = prompt_vectors(pool, ids, real, canonical) if reuse else None
     sequences = [Sequence() for _ in range(batch)] if fresh else sequences
+    lengths = [s.length for s in sequences]
     inherited = np.zeros(batch, dtype=np.int64)
     with pool.locked():
-        if reuse:
-            inherited = inherit_rows(pool, *reuse, sequences, ids, real, canonical, vectors)
-        writers = canonical == np.arange(batch)
         try:
+            if reuse:
+                inherited = inherit_rows(pool, *reuse, sequences, ids, real, canonical, vectors)
+            writers = canonical == np.arange(batch)
             pool.grow(sequences, np.where(writers, real.sum(axis=1) - inherited, 0))
-        except PoolExhaustedError:
             if fresh:
-                for sequence in sequences:
-                    pool.decref(sequence.blocks)
+                share_duplicates(pool, sequences, canonical)
+            skip = planner.columns_to_skip(real, inherited) if may_skip else 0
+            plan = planner.plan_batch(sequences, real, pool.block_size, inherited, writers, skip, logical)
+            pool.mark_written(plan.slot_mapping)
+        except BaseException:  # PoolExhaustedError, or an interruption: every block taken goes back
+            for sequence, length in zip(sequences, lengths):
+                pool.decref(sequence.truncate(length, pool.block_size) if not fresh else sequence.blocks)
             raise
-        if fresh:
-            share_duplicates(pool, sequences, canonical)
-        skip = planner.columns_to_skip(real, inherited) if may_skip else 0
-        plan = planner.plan_batch(sequences, real, pool.block_size, inherited, writers, skip, logical)
-        pool.mark_written(plan.slot_mapping)
     return sequences, plan, inherited
 
 
@@ -54,8 +54,10 @@ def shared_prefixes(pool: KVPool, model: str, tenant: str, ids: np.ndarray, real
     """The longest whole-block prefixes that several rows of a fresh batch share and the pool
     does not hold yet, each once (a prefix inside another chosen one is left out): computed
     first, they are then inherited by every row instead of being computed once per row."""
+    check_mask(real.shape, *ids.shape)
     size, index = pool.block_size, pool.reuse.index
-    rows = {ids[b][real[b]].tobytes(): ids[b][real[b]] for b in range(len(ids))}.values()  # distinct prompts
+    # distinct prompts, each up to its first gap (a hole in its mask: see Sequence.shareable_length)
+    rows = {tokens.tobytes(): tokens for tokens in (before_gap(ids[b], real[b]) for b in range(len(ids)))}.values()
     chains = [(tokens, index.chain(index.root(model, tenant), tokens[: (len(tokens) - 1) // size * size]))
               for tokens in rows]
     counts: dict[bytes, int] = {}
@@ -102,6 +104,13 @@ def compute_prefixes(pool: KVPool, model: str, tenant: str, prefixes: list[list[
                 pool.decref(sequence.blocks)
 
 
+def check_mask(shape: tuple[int, ...], batch: int, width: int) -> None:
+    """An attention mask must give every input row its padding, for at least the forward's columns."""
+    if shape[0] != batch or shape[1] < width:
+        raise PagedKVError(f"the attention_mask {tuple(shape)} does not cover the forward's {batch} rows of {width} "
+                           "tokens: it needs one row per input row and at least as many columns")
+
+
 def duplicate_rows(ids: np.ndarray, real: np.ndarray) -> np.ndarray:
     """For each row, the first row with the same tokens and padding (itself if none)."""
     first: dict[bytes, int] = {}
@@ -128,12 +137,20 @@ def inherit_rows(pool: KVPool, model: str, tenant: str, sequences: list[Sequence
         if canonical[b] != b:
             continue
         tokens = ids[b][real[b]]
-        blocks, length = pool.reuse.inherit(model, tenant, tokens, len(tokens) - 1,
+        limit = min(len(tokens) - 1, len(before_gap(ids[b], real[b])))  # nothing past a hole is shared
+        blocks, length = pool.reuse.inherit(model, tenant, tokens, limit,
                                             lambda digest, after: pool.promote(digest, model, after), vectors[b])
         sequence.blocks, sequence.length, sequence.tokens = blocks, length, tokens[:length].tolist()
         inherited[b] = length
     inherited[:] = inherited[canonical]
     return inherited
+
+
+def before_gap(ids: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """The row's stored tokens before the first pad that follows one (all of them without)."""
+    first = int(real.argmax()) if real.any() else len(real)
+    gaps = np.flatnonzero(~real[first:])
+    return ids[first : first + int(gaps[0])] if len(gaps) else ids[real]
 
 
 def share_duplicates(pool: KVPool, sequences: list[Sequence], canonical: np.ndarray) -> None:

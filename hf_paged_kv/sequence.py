@@ -78,6 +78,17 @@ class Sequence:
         """Logical position of every stored token."""
         return np.flatnonzero(np.frombuffer(bytes(self.history), dtype=np.uint8))
 
+    def shareable_length(self) -> int:
+        """Stored tokens before the first pad that follows a stored token (all of them without
+        one). Only these may be shared with other requests: a sliding window counts logical
+        positions, so from the first gap on the K/V of later layers depend on where the pads
+        were, which no token hash says."""
+        if not self.gap:
+            return self.length
+        history = np.frombuffer(bytes(self.history), dtype=np.uint8)
+        first = int(history.argmax())
+        return int(np.argmin(history[first:])) if not history[first:].all() else self.length
+
     def gapped(self, real: np.ndarray) -> bool:
         """Whether a pad position follows a stored token once `real` (the stored columns of a
         forward) is appended: right padding, masks with holes. Then stored and logical positions

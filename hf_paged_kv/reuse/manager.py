@@ -133,10 +133,11 @@ class ReuseManager:
 
     # --------------------------------------------------------------- offer
     def index_sequence(self, model: str, tenant: str, sequence: Sequence, priority: int) -> None:
-        """Index the sequence's full blocks not indexed yet (after a successful forward). Where
-        an identical block is already indexed, the sequence switches to it and drops its copy."""
+        """Index the sequence's full blocks not indexed yet (after a successful forward), up to
+        its first gap (see `Sequence.shareable_length`). Where an identical block is already
+        indexed, the sequence switches to it and drops its copy."""
         size, done = self.block_size, len(sequence.digests)
-        full = sequence.length // size
+        full = sequence.shareable_length() // size
         tokens = sequence.tokens[done * size : full * size]
         if full <= done or -1 in tokens:
             return
@@ -153,7 +154,9 @@ class ReuseManager:
         """Offer a finished row to the semantic index (its embedding comes later)."""
         if self.semantic is None:
             return
-        held = self.semantic.add(tenant, model, sequence.tokens, sequence.blocks, self.allocator.version,
+        shareable = sequence.shareable_length()
+        held = self.semantic.add(tenant, model, sequence.tokens[:shareable],
+                                 sequence.blocks[: -(-shareable // self.block_size)], self.allocator.version,
                                  self.block_size)
         if held is not None:
             self.allocator.incref([held])
