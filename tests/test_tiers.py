@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from conftest import VOCAB, assert_pool_clean, greedy, make_model, manual_clock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
@@ -30,10 +32,10 @@ def disabled(model):
     hf_paged_kv.disable(model)
 
 
-def request(model, prompt, new_tokens=4, blocks=0):
-    """Generate for one prompt; returns the tokens it inherited, its output (and with `blocks`,
-    the ids of its first blocks, read while the cache was alive)."""
-    with PagedCache() as cache:
+def request(model, prompt, new_tokens=4, blocks=0, **options):
+    """Generate for one prompt (`options`: PagedCache's); returns the tokens it inherited, its
+    output (and with `blocks`, the ids of its first blocks, read while the cache was alive)."""
+    with PagedCache(**options) as cache:
         out = greedy(model, cache, prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=new_tokens)
         held = cache.block_tables()[0][:blocks]
         inherited = cache.inherited[0]
@@ -49,6 +51,26 @@ def block_file(directory, depth):
             if f.metadata()["depth"] == str(depth):
                 return path
     raise FileNotFoundError(depth)
+
+
+def dir_bytes(directory):
+    return sum(p.stat().st_size for p in directory.glob("*.kvblock"))
+
+
+def evict_all(pool):
+    """Every cached block leaves the device (to the next tier down)."""
+    pool.decref(pool.allocate(pool.num_available()))
+
+
+def file_size(model, directory):
+    """The size of one block file (then deleted), to size disk budgets in files."""
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=directory))
+    hf_paged_kv.persist(model, tokens(8, 99))
+    (path,) = directory.glob("*.kvblock")
+    size = path.stat().st_size
+    path.unlink()
+    hf_paged_kv.disable(model)
+    return size
 
 
 def snapshot(pool, blocks):
@@ -166,6 +188,7 @@ def test_damaged_or_foreign_disk_files_are_rejected(tmp_path, damage):
         skipped, out = request(reader, prompt)
     assert skipped == (0 if damage == "foreign" else 16)  # never past the bad block
     assert pool.stats()["disk_rejects"] >= 1
+    assert pool.stats()["disk_bytes_used"] == dir_bytes(tmp_path)  # what it cannot use stays in the budget
     hf_paged_kv.disable(reader)
     expected = greedy(reader, DynamicCache(), prompt[None], torch.ones(1, 46, dtype=torch.long), new_tokens=4)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -183,3 +206,105 @@ def test_disk_budget_holds(model, tmp_path):
     stats = pool.stats()
     assert stats["disk_drops"] > 0 and stats["disk_bytes_used"] <= budget
     assert len(list(tmp_path.glob("*.kvblock"))) == stats["disk_blocks"]
+
+
+def test_a_full_host_tier_drops_leaves_not_the_root_of_a_prefix(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=4))
+    system = tokens(40, 1)
+    request(model, system)
+    evict_all(pool)  # five blocks into four slots: the last block goes, its prefix stays reachable
+    assert hf_paged_kv.cached_tokens(model, system) == {"device": 0, "host": 32, "disk": 0}
+    assert pool.stats()["host_drops"] == 1
+    assert request(model, torch.cat([system, tokens(6, 2)]))[0] == 32
+    assert_pool_clean(pool)
+
+
+def test_a_block_recomputed_while_held_on_the_host_drops_nothing_there(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=1))
+    system = tokens(40, 1)
+    request(model, system)
+    pool.decref(pool.allocate(pool.num_free() + 1))  # the last block of the prefix goes to the host
+    assert hf_paged_kv.cached_tokens(model, system)["host"] == 8
+    request(model, system)  # inherits 32 tokens, computes the last block again
+    pool.decref(pool.allocate(pool.num_free() + 1))  # it leaves the device again: the host has it
+    assert pool.stats()["host_drops"] == 0
+    assert hf_paged_kv.cached_tokens(model, system) == {"device": 32, "host": 8, "disk": 0}
+
+
+def test_the_disk_budget_keeps_a_reachable_prefix(model, tmp_path):
+    size = file_size(model, tmp_path)
+    budget = 3 * size + size // 2
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path, disk_bytes=budget))
+    system = tokens(40, 3)
+    hf_paged_kv.persist(model, system)  # five blocks, room for three
+    evict_all(pool)  # no host tier: every block goes to disk, deepest first
+    assert hf_paged_kv.cached_tokens(model, system) == {"device": 0, "host": 0, "disk": 24}
+    assert pool.stats()["disk_bytes_used"] == dir_bytes(tmp_path) <= budget
+    assert request(model, torch.cat([system, tokens(6, 4)]))[0] == 24
+
+
+def test_disk_files_expire_like_memory(model, tmp_path):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, ttl=10.0, disk_dir=tmp_path))
+    clock = manual_clock(pool)
+    system, prompt = tokens(40, 1), torch.cat([tokens(40, 1), tokens(6, 2)])
+    request(model, system)  # t=0: expires at t=10
+    clock[0] = 1.0
+    evict_all(pool)
+    clock[0] = 5.0
+    assert request(model, prompt)[0] == 40  # from disk, keeping its expiry (not t=15)
+    clock[0] = 12.0
+    assert hf_paged_kv.cached_tokens(model, system) == {"device": 0, "host": 0, "disk": 0}
+    assert request(model, prompt)[0] == 0
+    assert pool.stats()["disk_expirations"] >= 1  # the first block found expired (the lookup stops there)
+    assert len(list(tmp_path.glob("*.kvblock"))) == pool.stats()["disk_blocks"] < 5
+
+
+def test_a_restart_with_a_ttl_ignores_older_files(model, tmp_path):
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(model, tokens(40, 1))  # no TTL: no expiry of its own
+    hf_paged_kv.disable(model)
+    time.sleep(0.2)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, ttl=0.1, disk_dir=tmp_path))
+    assert pool.stats()["disk_blocks"] == 0 and pool.stats()["disk_expirations"] == 5
+    assert not list(tmp_path.glob("*.kvblock"))
+
+
+def test_with_a_ttl_the_disk_budget_still_drops_by_value(model, tmp_path):
+    size = file_size(model, tmp_path)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path,
+                                                 disk_bytes=2 * size + size // 2, ttl=1e6))
+    hot, cold, new = tokens(9, 11), tokens(9, 12), tokens(9, 13)  # one full block each
+    for prompt, priority in ((hot, 8), (cold, 0), (new, 0)):
+        request(model, prompt, priority=priority)
+        evict_all(pool)  # to disk; the third one is over the budget
+    assert [hf_paged_kv.cached_tokens(model, p)["disk"] for p in (hot, cold, new)] == [BLOCK, 0, BLOCK]
+
+
+def test_other_models_files_count_in_the_disk_budget_and_go_first(tmp_path):
+    writer = make_model("llama", seed=61)
+    size = file_size(writer, tmp_path)
+    hf_paged_kv.enable(writer, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    for seed in range(3):
+        hf_paged_kv.persist(writer, tokens(16, 300 + seed))  # six files
+    hf_paged_kv.disable(writer)
+    reader, budget = make_model("llama", seed=62), 6 * size
+    with pytest.warns(UserWarning, match="written by another model"):
+        pool = hf_paged_kv.enable(reader, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path,
+                                                      disk_bytes=budget))
+    assert pool.stats()["disk_bytes_used"] == dir_bytes(tmp_path)
+    for seed in range(3):
+        hf_paged_kv.persist(reader, tokens(16, 400 + seed))
+        assert pool.stats()["disk_bytes_used"] == dir_bytes(tmp_path) <= budget
+    assert pool.stats()["disk_blocks"] == 6  # every foreign file gave way to this model's
+    hf_paged_kv.disable(reader)
+
+
+def test_a_disk_budget_of_one_block_of_tensors_is_never_exceeded(model, tmp_path):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    budget = sum(c[0].nbytes for c in pool.key_cache + pool.value_cache)  # a file also has a header
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path, disk_bytes=budget))
+    hf_paged_kv.persist(model, tokens(40, 3))
+    stats = pool.stats()
+    assert stats["disk_bytes_used"] == dir_bytes(tmp_path) <= budget
+    assert stats["disk_blocks"] == 0 and stats["disk_drops"] == 5

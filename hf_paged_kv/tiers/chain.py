@@ -40,6 +40,8 @@ class TierChain:
             return
         meta = meta.as_of(now, self.policy.half_life)
         if self.host is not None:
+            if self.host.contains(meta.digest, now):  # recomputed while its copy waited here
+                return
             if self.host.full():
                 dropped, data = self.host.lowest()
                 if self.disk is not None and not dropped.expired(now):

@@ -6,19 +6,28 @@
 Blocks reach the disk when they fall out of the host tier (or out of the device pool when there
 is no host tier), or by `persist`. One safetensors file per block, named by its digest: the
 block's K and V of every layer, and string metadata (format, model fingerprint, digest, tenant,
-depth, fill, decayed access weight and wall-clock time, priority) with a BLAKE2b checksum over
-the metadata and every tensor's bytes. Files are written to a temporary name and renamed, so a
-crash never leaves a half-written block under a real name. A file that fails any check – its
-header does not parse, a field is missing or damaged, the shapes, dtype, model or digest differ,
-the checksum does not match – is ignored with a warning (never loaded, never fatal) and counted
-in `disk_rejects`. Digests include the tenant, so a tenant only ever finds its own (or
+depth, fill, decayed access weight and wall-clock time, wall-clock expiry, priority) with a
+BLAKE2b checksum over the metadata and every tensor's bytes. Files are written to a temporary
+name and renamed, so a crash never leaves a half-written block under a real name. A file that
+fails any check – its header does not parse, a field is missing or damaged, the shapes, dtype,
+model or digest differ, the checksum does not match – is ignored with a warning (never loaded,
+never fatal) and counted in `disk_rejects`. Digests include the tenant, so a tenant only ever finds its own (or
 published) blocks.
 
 A write that fails (permissions, a full or read-only file system) drops the block cleanly: the
 pool stays consistent, the error is warned once and counted in `disk_write_errors`.
 
-The directory has a byte budget; when a write exceeds it, the files of lowest value go first
-(the same value as in memory, with wall-clock times, which survive restarts).
+Files keep wall-clock times, which survive restarts; the catalogue holds them on the policy's
+clock (converted once, when the directory is read), so that expiry and value are measured as in
+memory. A block keeps its expiry: an expired file is deleted, never loaded, and counted in
+`disk_expirations`; with a TTL, a file older than the TTL counts as expired when the directory
+is read.
+
+The directory has a byte budget covering every block file in it. When a write exceeds it,
+files this pool cannot use (another model's, damaged ones) go first, then expired files and
+leaves of lowest value (the same value as in memory, see `host.droppable`: a lookup stops at the
+first missing block, so an inner block never goes before its continuations), and the new file
+itself when nothing else can go.
 """
 
 from __future__ import annotations
@@ -28,7 +37,6 @@ import json
 import os
 import time
 import warnings
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -36,6 +44,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..policy import BlockMeta, Policy
+from .host import droppable
 
 FORMAT = "hf_paged_kv-block/2"
 SUFFIX = ".kvblock"
@@ -50,8 +59,10 @@ class DiskTier:
         self.directory = Path(directory)
         self.block_shapes, self.dtype, self.policy = [tuple(s) for s in block_shapes], dtype, policy
         self.max_bytes = max_bytes
-        self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops", "disk_write_errors"), 0)
-        self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta in wall time)
+        self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops", "disk_expirations",
+                                       "disk_write_errors"), 0)
+        self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta, policy clock)
+        self.unusable: dict[Path, int] = {}  # block files this pool cannot load (another model's, damaged) -> bytes
         self.warned_write = False
         file_bytes = 2 * sum(torch.Size(s).numel() for s in self.block_shapes) * torch.empty((), dtype=dtype).element_size()
         if max_bytes < file_bytes:
@@ -60,21 +71,27 @@ class DiskTier:
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.glob("*" + SUFFIX)):
             meta = self._read(path, model, tensors=False)
-            if meta is not None:
+            if meta is None:
+                self.unusable[path] = path.stat().st_size
+            else:
                 self.catalog[meta.digest] = (path, path.stat().st_size, meta)
+                self.contains(meta.digest)  # deletes it if expired
+        self._enforce_budget(keep=None)
 
     # ---------------------------------------------------------------- write
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Store one block (`(key, value)` per layer, any device); False if the write failed."""
-        if meta.digest in self.catalog:
+        """Store one block (`(key, value)` per layer, any device); False if the write failed or
+        the budget could not keep it."""
+        if self.contains(meta.digest):
             return True
-        now = self.policy.now()
-        weight = meta.weight_at(now, self.policy.half_life)
+        now, wall = self.policy.now(), time.time()
+        meta = meta.as_of(now, self.policy.half_life)
         tensors = {f"{kind}.{i}": t.detach().to("cpu").contiguous()
                    for i, pair in enumerate(layers) for kind, t in zip("kv", pair)}
+        expires = "" if meta.expires is None else repr(meta.expires - now + wall)
         header = {"format": FORMAT, "model": meta.model, "digest": meta.digest.hex(), "tenant": meta.tenant,
-                  "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(weight),
-                  "written": repr(time.time()), "priority": str(meta.priority)}
+                  "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(meta.weight),
+                  "written": repr(wall), "expires": expires, "priority": str(meta.priority)}
         header["checksum"] = _checksum(header, tensors)
         path = self.directory / (meta.digest.hex() + SUFFIX)
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -84,11 +101,11 @@ class DiskTier:
         except (OSError, SafetensorError) as error:  # permissions, a full or read-only file system
             self._write_failed(partial, error)
             return False
-        wall = replace(meta, weight=weight, last_access=float(header["written"]))
-        self.catalog[meta.digest] = (path, path.stat().st_size, wall)
+        self.unusable.pop(path, None)  # a damaged file of the same digest was just replaced
+        self.catalog[meta.digest] = (path, path.stat().st_size, meta)
         self.counters["disk_writes"] += 1
         self._enforce_budget(keep=meta.digest)
-        return True
+        return meta.digest in self.catalog
 
     def _write_failed(self, partial: Path, error: Exception) -> None:
         try:
@@ -103,29 +120,33 @@ class DiskTier:
 
     # ----------------------------------------------------------------- read
     def contains(self, digest: bytes) -> bool:
-        return digest in self.catalog
+        """Whether an unexpired file of `digest` is held (an expired one is deleted)."""
+        entry = self.catalog.get(digest)
+        if entry is not None and entry[2].expired(self.policy.now()):
+            self._delete(digest)
+            self.counters["disk_expirations"] += 1
+            return False
+        return entry is not None
 
     def load(self, digest: bytes, model: str, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> BlockMeta | None:
         """Copy the file of `digest` into a device block (`layers`: its `(key, value)` views).
-        Returns the block's metadata (weight decayed to now, on the policy's clock), or None
-        (with a warning) if the file fails any check."""
+        Returns the block's metadata (weight decayed to now, its expiry kept), or None (with a
+        warning) if the file fails any check: it is then budgeted as unusable."""
         entry = self.catalog.get(digest)
         if entry is None:
             return None
-        path, _, _ = entry
+        path, size, meta = entry
         loaded = self._read(path, model, tensors=True, digest=digest)
         if loaded is None:
-            self.catalog.pop(digest, None)
+            del self.catalog[digest]
+            self.unusable[path] = size
             return None
-        meta, tensors = loaded
+        _, tensors = loaded
         for i, (key, value) in enumerate(layers):
             key.copy_(tensors[f"k.{i}"])
             value.copy_(tensors[f"v.{i}"])
         self.counters["disk_hits"] += 1
-        age = max(0.0, time.time() - meta.last_access)
-        now = self.policy.now()
-        expires = None if self.policy.ttl is None else now + self.policy.ttl
-        return replace(meta, weight=meta.weight * 0.5 ** (age / self.policy.half_life), last_access=now, expires=expires)
+        return meta.as_of(self.policy.now(), self.policy.half_life)
 
     def _read(self, path: Path, model: str, tensors: bool, digest: bytes | None = None):
         """The file's metadata (and tensors), or None after a warning when any check fails."""
@@ -138,9 +159,7 @@ class DiskTier:
                     raise ValueError("written by another model (fingerprint differs)")
                 if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
                     raise ValueError("digest in the header does not match the file name")
-                meta = BlockMeta(bytes.fromhex(header["digest"]), header["tenant"], int(header["depth"]), header["model"],
-                                 float(header["weight"]), float(header["written"]), None, int(header["priority"]),
-                                 int(header["fill"]))
+                meta = self._meta(header)
                 if not tensors:
                     return meta
                 data = {name: f.get_tensor(name) for name in f.keys()}
@@ -155,38 +174,57 @@ class DiskTier:
             self.counters["disk_rejects"] += 1
             return None
 
+    def _meta(self, header: dict) -> BlockMeta:
+        """The block record of a file's header, its wall-clock times moved to the policy's clock;
+        with a TTL, a file expires at the latest a TTL after it was written."""
+        shift = self.policy.now() - time.time()
+        written = float(header["written"]) + shift
+        limits = [float(header["expires"]) + shift] if header.get("expires") else []
+        if self.policy.ttl is not None:
+            limits.append(written + self.policy.ttl)
+        return BlockMeta(bytes.fromhex(header["digest"]), header["tenant"], int(header["depth"]), header["model"],
+                         float(header["weight"]), written, min(limits, default=None), int(header["priority"]),
+                         int(header["fill"]))
+
     # -------------------------------------------------------------- budget
     def used_bytes(self) -> int:
-        return sum(size for _, size, _ in self.catalog.values())
+        """Bytes of every block file in the directory, unusable ones included."""
+        return sum(size for _, size, _ in self.catalog.values()) + sum(self.unusable.values())
 
     def forget(self, tenant: str | None = None, model: str | None = None) -> int:
         """Delete the files of `tenant` and/or `model`."""
         doomed = [d for d, (_, _, m) in self.catalog.items()
                   if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
         for digest in doomed:
-            self.catalog.pop(digest)[0].unlink(missing_ok=True)
+            self._delete(digest)
         return len(doomed)
 
     def stats(self) -> dict:
         return {"disk_blocks": len(self.catalog), "disk_bytes_used": self.used_bytes(),
                 "disk_bytes_budget": self.max_bytes} | self.counters
 
-    def _enforce_budget(self, keep: bytes) -> None:
-        if self.used_bytes() <= self.max_bytes:
-            return
-        wall = {d: m for d, (_, _, m) in self.catalog.items() if d != keep}
-        excess = self.used_bytes() - self.max_bytes
-
-        def remove(digest: bytes) -> None:
-            nonlocal excess
-            path, size, _ = self.catalog.pop(digest)
+    def _enforce_budget(self, keep: bytes | None) -> None:
+        """Delete files until the budget holds: unusable ones, then droppable ones by value, and
+        the new file `keep` only when nothing else can go (blocks leave the device deepest first,
+        so a new file is usually the parent of files already here)."""
+        while self.unusable and self.used_bytes() > self.max_bytes:
+            path = next(iter(self.unusable))
+            del self.unusable[path]
             path.unlink(missing_ok=True)
-            excess -= size
-            self.counters["disk_drops"] += 1
+        now = self.policy.now()
+        while self.used_bytes() > self.max_bytes:
+            metas = {d: m for d, (_, _, m) in self.catalog.items()}
+            eligible = [d for d in droppable(metas, now) if d != keep] or [d for d in [keep] if d in metas]
+            if not eligible:
+                return
+            self.policy.evict(metas, eligible, 1, self._drop, now)
 
-        while excess > 0 and wall:
-            (victim,) = self.policy.evict(wall, list(wall), 1, remove, now=time.time())
-            del wall[victim]
+    def _drop(self, digest: bytes) -> None:
+        self._delete(digest)
+        self.counters["disk_drops"] += 1
+
+    def _delete(self, digest: bytes) -> None:
+        self.catalog.pop(digest)[0].unlink(missing_ok=True)
 
 
 def _checksum(header: dict, tensors: dict) -> str:

@@ -9,17 +9,38 @@ CUDA from page-locked memory on a separate stream, which waits only for the kern
 used that device block (the forward's stream waits for the copy on the GPU, the host never
 does), on the CPU with plain copies. Only blocks of a matched prefix are ever copied back.
 
-When the host tier is full, its lowest-value block leaves it (`TierChain` passes it on to the
-disk tier, if there is one).
+When the host tier is full, its lowest-value leaf leaves it (`TierChain` passes it on to the
+disk tier, if there is one): a lookup stops at the first missing block of a prefix, so dropping
+an inner block would strand every block after it. The disk tier drops the same way.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from typing import Hashable, Mapping
 
 import torch
 
 from ..policy import BlockMeta, Policy
+from ..reuse.prefix_index import PUBLIC_TENANT
+
+
+def droppable(metas: Mapping[Hashable, BlockMeta], now: float) -> list[Hashable]:
+    """The keys of `metas` a tier may drop without stranding another block it holds: leaves
+    and expired blocks (nothing past an expired block is reachable either).
+
+    Digests are chained hashes, so a tier cannot name a block's parent; it takes a block for a
+    leaf when it holds no block one deeper of the same model and tenant (of any tenant, for a
+    published block: other tenants' blocks may continue it). That may keep an unrelated block
+    longer, never strands one."""
+    own = Counter((m.model, m.tenant, m.depth) for m in metas.values())
+    anyone = Counter((m.model, m.depth) for m in metas.values())
+
+    def continued(m: BlockMeta) -> bool:
+        return bool(anyone[m.model, m.depth + 1] if m.tenant == PUBLIC_TENANT else own[m.model, m.tenant, m.depth + 1])
+
+    return [key for key, m in metas.items() if m.expired(now) or not continued(m)]
 
 
 class HostTier:
@@ -44,9 +65,8 @@ class HostTier:
         return not self.free_slots
 
     def store(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one block (`(key, value)` per layer, on any device) into a free slot."""
-        if meta.digest in self.by_digest:
-            return
+        """Copy one block (`(key, value)` per layer, on any device) into a free slot; its digest
+        must not be held yet (`TierChain.demote` asks `contains` first)."""
         slot = self.free_slots.pop()
         start = time.perf_counter()
         for host_k, host_v, (key, value) in zip(self.keys, self.values, layers):
@@ -57,10 +77,10 @@ class HostTier:
         self.counters["demotions"] += 1
 
     def lowest(self) -> tuple[BlockMeta, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Remove the lowest-value block; returns its metadata and data (views, valid until the
-        next store) for the next tier down."""
+        """Remove the lowest-value leaf (see `droppable`); returns its metadata and data (views,
+        valid until the next store) for the next tier down."""
         now, found = self.policy.now(), []
-        self.policy.evict(self.metas, list(self.metas), 1, lambda slot: found.append(slot), now)
+        self.policy.evict(self.metas, droppable(self.metas, now), 1, found.append, now)
         slot = found[0]
         meta = self.metas[slot]
         layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]
