@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -51,9 +52,7 @@ class EnabledState:
     original_forward: object
     config_digest: str
     fingerprint: str
-    params: list  # (name, parameter), sorted: the weights the fingerprint samples
-    device: torch.device  # of the first weight: a model moved elsewhere is refused
-    first_dtype: torch.dtype  # of the first weight: a model converted to another dtype is refused
+    layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
     checked: float  # when the fingerprint was last taken (monotonic seconds)
     forward_was_set: bool  # the model had a `forward` instance attribute before enable (another wrapper)
 
@@ -89,6 +88,7 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
         params = sorted(model.named_parameters())
         fingerprint = _fingerprint(model, params, config_digest, pool)
+        layout = {name: (param.dtype, param.device) for name, param in params}
         pool.bind(layers, _model_dtype(model), fingerprint)
     except BaseException:
         model.set_attn_implementation(previous)
@@ -96,8 +96,7 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         raise
     original = model.forward
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
-                         params, params[0][1].device, params[0][1].dtype, time.monotonic(),
-                         "forward" in vars(model))
+                         layout, time.monotonic(), "forward" in vars(model))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
     return pool
@@ -131,20 +130,19 @@ def state_of(model) -> EnabledState:
 
 
 def current_fingerprint(model, max_age: float = 0.0) -> str:
-    """The model's fingerprint now (or as of at most `max_age` seconds ago). Weights changed in
-    place (`load_state_dict`, merged adapters) give a new one, and what the old weights computed
-    is forgotten; a changed dtype or device is refused (the pool holds the old dtype's KV)."""
+    """The model's fingerprint now (or as of at most `max_age` seconds ago). Changed weights give
+    a new one, and what the old weights computed is forgotten. The weights are looked up anew at
+    each check, so tensors swapped in (`load_state_dict(assign=True)`, replaced or injected
+    modules, resized embeddings) count as well as in-place edits. A weight converted to another
+    dtype or moved to another device is refused: the pool holds KV of the old dtype and devices.
+    Within `max_age` only the first weight's dtype and device are checked (one lookup)."""
     state = state_of(model)
-    first = state.params[0][1]
-    if first.dtype != state.first_dtype or first.device != state.device:
-        raise PagedKVError(
-            f"the model's dtype or device changed after hf_paged_kv.enable (now {first.dtype} on {first.device}); "
-            f"its pool holds {state.pool.dtype} KV. Call hf_paged_kv.disable(model), then enable it again with a "
-            "new KVPool"
-        )
+    _refuse_converted(state, [next(model.named_parameters())])
     if time.monotonic() - state.checked <= max_age:
         return state.fingerprint
-    fingerprint = _fingerprint(model, state.params, state.config_digest, state.pool)
+    params = sorted(model.named_parameters())
+    _refuse_converted(state, params)
+    fingerprint = _fingerprint(model, params, state.config_digest, state.pool)
     state.checked = time.monotonic()
     if fingerprint != state.fingerprint:
         state.pool.forget_model(state.fingerprint)
@@ -168,17 +166,23 @@ def _paged_forward(model, original):
         if inputs is None:
             raise PagedKVError("forward needs input_ids or inputs_embeds")
         shape = tuple(inputs.shape[:2])
-        # a new request (a fresh cache) checks the weights; later forwards of the same cache check
-        # dtype and device only: what they compute extends that cache's own KV
-        fingerprint = current_fingerprint(model, 0.0 if not cache.is_initialized else float("inf"))
-        may_skip = _may_skip(args, kwargs)
+        # a new request or a new turn (any forward of more than one column) checks the weights, so a
+        # conversation continued on changed weights stops sharing its KV (PagedCache.begin_forward);
+        # a decode step checks dtype and device only: weights do not change within one generate
+        prefill_step = not cache.is_initialized or shape[1] > 1
+        fingerprint = current_fingerprint(model, 0.0 if prefill_step else float("inf"))
+        extras = _per_token_extras(kwargs)
+        may_skip = _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
             _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
                                      kwargs.get("attention_mask"))
         need_weights = kwargs.get("output_attentions")
         need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
-        plan = cache.begin_forward(state.pool, fingerprint, input_ids, kwargs.get("attention_mask"), shape,
-                                   may_skip, logical=need_weights)
+        # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well: the cache is
+        # then told no ids, as with inputs_embeds, so no rows are merged and nothing is indexed or
+        # inherited by ids (equal ids with other token types gave another row's tokens)
+        plan = cache.begin_forward(state.pool, fingerprint, None if extras else input_ids, kwargs.get("attention_mask"),
+                                   shape, may_skip, logical=need_weights)
         if plan.skip:
             args, kwargs = _drop_columns(args, kwargs, plan.skip)
         try:
@@ -212,7 +216,14 @@ def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: s
     prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
 
 
-def _may_skip(args, kwargs) -> bool:
+def _per_token_extras(kwargs) -> list[str]:
+    """Names of the per-token tensors (two dimensions or more) the forward gets besides its ids,
+    embeddings, mask, positions and cache."""
+    return [k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in _PER_TOKEN_INPUTS
+            and k != "past_key_values"]
+
+
+def _may_skip(args, kwargs, extras: list[str]) -> bool:
     """Whether the forward may drop leading columns a row has cached: only when just the last
     position's logits are returned (generate) and nothing else per position is, and the caller
     gives the positions: a model that derives them itself may derive them from the pad tokens
@@ -221,9 +232,7 @@ def _may_skip(args, kwargs) -> bool:
         return False
     if kwargs.get("logits_to_keep") != 1 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
-    per_token = [k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in _PER_TOKEN_INPUTS
-                 and k != "past_key_values"]
-    return len(args) <= 1 and not per_token
+    return len(args) <= 1 and not extras
 
 
 def _drop_columns(args, kwargs, skip: int):
@@ -309,16 +318,46 @@ def _model_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 
 
+def _refuse_converted(state: EnabledState, params) -> None:
+    """Raise if a weight known at enable now has another dtype or device (`model.to`, tensors of
+    another dtype assigned): its KV would not fit the pool. Weights added since are hashed only."""
+    for name, param in params:
+        if state.layout.get(name, (param.dtype, param.device)) != (param.dtype, param.device):
+            raise PagedKVError(
+                f"the model's dtype or device changed after hf_paged_kv.enable ({name} is now {param.dtype} on "
+                f"{param.device}); its pool holds {state.pool.dtype} KV. Call hf_paged_kv.disable(model), then "
+                "enable it again with a new KVPool"
+            )
+
+
+def _sample(param: torch.Tensor) -> torch.Tensor:
+    """A strided view of `param` that holds an element of every row (index of dim 0: a token's
+    embedding, a linear layer's output channel) and of every column: the stride is below the row
+    length (no row is stepped over), at most the number of rows (the view has a row's length of
+    elements or more) and coprime to the row length (the sampled column moves on each time). A
+    weight changed in any whole row or column changes the sample, as almost every other update
+    does; 1-D weights are taken whole. About max(rows, columns) elements per matrix: a view, no
+    copy, of a contiguous weight."""
+    flat = param.detach().reshape(-1)
+    row = math.prod(param.shape[1:])
+    stride = max(min(row - 1, param.shape[0] if param.dim() else 1), 1)
+    while math.gcd(stride, row) > 1:
+        stride -= 1
+    return flat[::stride]
+
+
 def _fingerprint(model, params, config_digest: str, pool: KVPool) -> str:
     """Model identity for the prefix index and the disk tier: class, name, a hash of the full
-    config and of a sample of every weight (so fine-tunes of one config differ), dtype and the
-    pool's block size. A few milliseconds: one device-to-host copy per dtype of the weights."""
+    config and of every weight's name, shape, dtype and strided sample (`_sample`: so fine-tunes
+    of one config differ, even in a few rows), dtype and the pool's block size. It depends on the
+    weights' values only, never on which tensor objects hold them, so it is the same after a
+    restart. One device-to-host copy per dtype of the weights (SmolLM2-135M: ~0.3M elements)."""
     digest = hashlib.blake2b(digest_size=16)
     with torch.no_grad():
         by_dtype: dict = {}
         for name, param in params:
-            by_dtype.setdefault(param.dtype, []).append(param.detach().reshape(-1)[:16])
-            digest.update(f"{name}{tuple(param.shape)}".encode())
+            by_dtype.setdefault(param.dtype, []).append(_sample(param))
+            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
         for dtype in sorted(by_dtype, key=str):
             digest.update(torch.cat(by_dtype[dtype]).cpu().view(torch.uint8).numpy().tobytes())
     dtype = pool.dtype or _model_dtype(model)

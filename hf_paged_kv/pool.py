@@ -259,7 +259,7 @@ class KVPool:
         the counts. Once every request has finished, `references` equals the references of
         pins and semantic entries: anything more is a leak."""
         with self.locked():
-            problems = self.allocator.problems(set(self.reuse.index.metas))
+            problems = self.allocator.problems(set(self.reuse.index.metas)) | self.reuse.index.problems()
             if problems:
                 raise PagedKVError(f"KVPool bookkeeping is inconsistent: {problems}")
             a = self.allocator

@@ -12,9 +12,9 @@ import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, PagedKVError
 
 
-def generate(model, ids, mask, cache, new=6):
+def generate(model, ids, mask, cache, new=6, **kwargs):
     return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new,
-                          min_new_tokens=new, do_sample=False)
+                          min_new_tokens=new, do_sample=False, **kwargs)
 
 
 def holed_and_plain():
@@ -83,5 +83,24 @@ def test_an_interruption_while_a_forward_is_planned_leaves_no_block_behind(monke
     with pytest.raises(KeyboardInterrupt):
         generate(model, torch.cat([ids, ids[:, :5]], 1), torch.ones(1, 29, dtype=torch.long), PagedCache())
     monkeypatch.setattr(planner, "plan_batch", plan_batch)
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+def test_token_types_are_part_of_what_the_kv_holds(reuse):
+    """GPT-2 adds token type embeddings: equal ids with other token types are other K/V. A row
+    is neither merged with an equal-id row of the same batch nor indexed, nor inherited by ids."""
+    model = make_model("gpt2", seed=3)
+    ids = torch.randint(3, VOCAB, (1, 24), generator=torch.Generator().manual_seed(3)).repeat(2, 1)
+    types = torch.stack([torch.zeros(24, dtype=torch.long), torch.ones(24, dtype=torch.long)])
+    expected = generate(model, ids, torch.ones_like(ids), DynamicCache(), token_type_ids=types)
+    alone = generate(model, ids[:1], torch.ones_like(ids[:1]), DynamicCache())
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
+    with PagedCache(reuse=reuse) as cache:
+        assert torch.equal(generate(model, ids, torch.ones_like(ids), cache, token_type_ids=types), expected)
+    with PagedCache() as cache:  # the same ids without token types: nothing to inherit from the batch
+        assert torch.equal(generate(model, ids[:1], torch.ones_like(ids[:1]), cache), alone)
+        assert cache.inherited == [0]
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)

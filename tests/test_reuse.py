@@ -142,6 +142,54 @@ def test_clear_tenant_forgets_its_prefixes(model):
     assert_pool_clean(pool)
 
 
+def test_clear_tenant_under_a_live_chat_leaves_every_cached_block_evictable(model):
+    """clear_tenant unindexes the blocks of a chat still alive, and its next turn indexes blocks
+    that follow one of them. When that block's id is freed and indexed again, evicting the chat's
+    blocks must not take from it a child it never counted: it would never be a leaf again,
+    never evicted yet counted as available."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=12, block_size=BLOCK))
+    chat = PagedCache(tenant="acme")
+    first = greedy(model, chat, *left_padded([tokens(20, 80)]), new_tokens=4)
+    pool.clear_tenant("acme")
+    second = left_padded([torch.cat([first[0], tokens(12, 81)])])
+    expected = greedy(model, DynamicCache(), *second, new_tokens=4)
+    torch.testing.assert_close(greedy(model, chat, *second, new_tokens=4), expected, rtol=0, atol=0)
+    forgotten = chat.block_tables()[0][1]  # the block before the first one this turn indexed
+    chat.release()
+    held = pool.allocate(pool.num_free())
+    spare = max(set(held) - {forgotten})
+    pool.decref([forgotten, spare])
+    with PagedCache(priority=8) as cache:  # valued above the chat's blocks: they are evicted first
+        greedy(model, cache, *left_padded([tokens(9, 82)]), new_tokens=2)
+        assert cache.block_tables()[0][0] == forgotten  # its full block is indexed under that id
+    pool.decref([b for b in held if b not in (forgotten, spare)])
+    pool.decref(pool.allocate(pool.num_free() + 2))  # evicts the chat's two blocks, leaf first
+    pool.decref(pool.allocate(pool.num_available()))  # and then the other one
+    assert pool.stats()["blocks_cached"] == 0
+    assert_pool_clean(pool)
+
+
+def test_a_row_never_switches_to_a_block_whose_expired_parent_it_does_not_hold(model):
+    """With a TTL, a prefix's first block can expire while the next one has not: a row that
+    computed both again indexes its own first block, and must not switch its second one to the
+    unexpired block, whose idle, expired parent could then not be evicted while counted as
+    available."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=12, block_size=BLOCK, ttl=10.0))
+    clock = manual_clock(pool)
+    with PagedCache() as chat:
+        first = greedy(model, chat, *left_padded([tokens(9, 83)]), new_tokens=4)  # t=0: block 0 indexed
+        clock[0] = 5.0
+        second = greedy(model, chat, *left_padded([torch.cat([first[0], tokens(6, 84)])]), new_tokens=2)
+    clock[0] = 12.0  # block 0 expired, block 1 not
+    prompt = left_padded([second[0, :20]])
+    expected = greedy(model, DynamicCache(), *prompt, new_tokens=2)
+    with PagedCache() as cache:
+        torch.testing.assert_close(greedy(model, cache, *prompt, new_tokens=2), expected, rtol=0, atol=0)
+        pool.decref(pool.allocate(pool.num_available()))  # every block counted available is
+        pool.audit()
+    assert_pool_clean(pool)
+
+
 def test_ttl_expiry(model):
     pool = KVPool(num_blocks=64, block_size=BLOCK, ttl=10.0)
     hf_paged_kv.enable(model, pool=pool)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_pool_clean
+from conftest import assert_pool_clean, manual_clock
 from transformers import AutoTokenizer, DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_paged_kv
@@ -25,14 +25,20 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(default_model_path())  # a real WordPiece tokenizer, on disk
 
 
-@pytest.fixture
-def setup(tokenizer):
+def enabled_model(tokenizer, **pool_options):
+    """A tiny random Llama over the tokenizer's vocabulary, enabled with a semantic pool."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config).eval()
     semantic = SemanticIndex(tokenizer, threshold=0.5)
-    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK, semantic=semantic))
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK, semantic=semantic, **pool_options))
+    return model, pool
+
+
+@pytest.fixture
+def setup(tokenizer):
+    model, pool = enabled_model(tokenizer)
     yield model, pool
     hf_paged_kv.disable(model)
 
@@ -118,6 +124,26 @@ def test_entries_whose_blocks_were_evicted_fail_verification(setup, tokenizer):
     with PagedCache() as cache:
         generate(model, encode(tokenizer, DOCUMENT + " Why did he count the steps?"), cache)
     assert pool.stats()["hit_tokens_semantic"] == 0
+
+
+def test_blocks_expired_in_the_prefix_index_fail_verification(tokenizer):
+    """The pool's ttl bounds the age of KV reused through a semantic candidate too: its blocks
+    are still resident and unchanged, but expired."""
+    model, pool = enabled_model(tokenizer, ttl=100.0)
+    clock = manual_clock(pool)
+    first = encode(tokenizer, DOCUMENT + " What did he carry?")
+    second = encode(tokenizer, DOCUMENT + " Why did he count the steps?")
+    with PagedCache() as cache:
+        generate(model, first, cache)
+    clock[0] = 1000.0
+    expected = generate(model, second, DynamicCache())
+    with PagedCache() as cache:
+        torch.testing.assert_close(generate(model, second, cache), expected, rtol=0, atol=0)
+    stats = pool.stats()
+    assert stats["semantic_candidates"] == 1 and stats["semantic_rejected"] == 1
+    assert stats["hit_tokens_prefix"] == stats["hit_tokens_semantic"] == 0
+    assert_semantic_clean(pool)
+    hf_paged_kv.disable(model)
 
 
 def assert_semantic_clean(pool):

@@ -8,6 +8,7 @@ Every call happens under the pool's lock, except `embed`.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import numpy as np
@@ -57,7 +58,7 @@ class ReuseManager:
         self.counters["hit_tokens_prefix"] += length
         if self.semantic is not None and vector is not None and limit > length:
             found = self.semantic.best(tenant, model, vector, tokens, limit, length, self.allocator.version,
-                                       self.block_size)
+                                       self.block_size, partial(self.index.is_fresh, now=self.policy.now()))
             if found is not None:
                 best, table = found
                 extra = table[len(blocks) : -(-best // self.block_size)]

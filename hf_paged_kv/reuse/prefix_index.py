@@ -16,7 +16,7 @@ from that decayed weight + 1, so a prefix that keeps coming back under churn sti
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 
@@ -76,6 +76,11 @@ class PrefixIndex:
     def is_cached(self, block: int) -> bool:
         return block in self.metas
 
+    def is_fresh(self, block: int, now: float) -> bool:
+        """Whether `block` is indexed and unexpired: its KV may still be reused."""
+        meta = self.metas.get(block)
+        return meta is not None and not meta.expired(now)
+
     # ------------------------------------------------------- registration
     def register(self, model: str, tenant: str, first: int, digests: list[bytes], table: list[int],
                  priority: int = 0) -> list[tuple[int, int]]:
@@ -90,7 +95,7 @@ class PrefixIndex:
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
-            if known is not None and known != block:
+            if known is not None and known != block and self._continues(known, parent):
                 replacements.append((position, known))
                 block = known
             elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
@@ -106,11 +111,22 @@ class PrefixIndex:
         """Index a block brought back from a lower tier under its old digest and history."""
         self._add(block, meta, parent)
 
+    def _continues(self, known: int, previous: int | None) -> bool:
+        """Whether a sequence whose block before this one is `previous` may switch to `known`:
+        only if `known` has no indexed parent or has `previous` as parent. Otherwise the row
+        would reference `known` but not its parent (say an expired twin of `previous`), and that
+        idle parent could not be evicted while being counted as evictable."""
+        return self.parent[known] in (None, previous)
+
     def _add(self, block: int, meta: BlockMeta, parent: int | None) -> None:
+        """Index `block`, linked to `parent` only if that is indexed: a parent outside the index
+        (forgotten by `clear_tenant`, or never indexed) may be indexed later under another
+        digest, and must not then lose a child it never counted."""
+        linked = parent if parent in self.metas else None
         self.metas[block], self.by_digest[meta.digest] = meta, block
-        self.parent[block], self.children[block] = parent, 0
-        if parent is not None and parent in self.metas:
-            self.children[parent] += 1
+        self.parent[block], self.children[block] = linked, 0
+        if linked is not None:
+            self.children[linked] += 1
         self.allocator.set_cached(block, True)
 
     # ---------------------------------------------------------- eviction
@@ -150,13 +166,27 @@ class PrefixIndex:
         return [b for b, m in self.metas.items()
                 if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
 
+    def problems(self) -> dict[str, list[int]]:
+        """Inconsistent links (first blocks of each kind); empty when all is well. A child count
+        off by one keeps a block from ever being a leaf (never evicted, yet counted evictable),
+        and so does an idle parent of a referenced block."""
+        named = Counter(p for p in self.parent.values() if p is not None)
+        refcount = self.allocator.refcount
+        found = {
+            "child counts that disagree with the index": [b for b, n in self.children.items() if n != named[b]],
+            "parents outside the index": [b for b, p in self.parent.items() if p is not None and p not in self.metas],
+            "idle parents of referenced blocks": sorted({p for b, p in self.parent.items()
+                                                         if p is not None and refcount[b] and not refcount[p]}),
+        }
+        return {name: blocks[:10] for name, blocks in found.items() if blocks}
+
     # ------------------------------------------------------------ helpers
     def _remove(self, block: int) -> None:
         meta = self.metas.pop(block)
         if self.by_digest.get(meta.digest) == block:
             del self.by_digest[meta.digest]
         parent = self.parent.pop(block)
-        if parent is not None and parent in self.children:
+        if parent is not None:  # every link was counted (`_add`), and unlinked with its parent
             self.children[parent] -= 1
         if self.children.pop(block):  # an inner block (forget): its children lose the link
             for child, link in self.parent.items():

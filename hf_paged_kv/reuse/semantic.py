@@ -15,7 +15,9 @@ above `threshold` are candidates, and a candidate's KV is inherited only as far 
 - the same tenant (or a published entry) and the same model fingerprint;
 - the entry has not expired;
 - every block of that prefix is still resident and unchanged (its version counter, bumped each
-  time a block is freed, equals the one recorded).
+  time a block is freed, equals the one recorded);
+- every full block of that prefix is still in the prefix index and unexpired (the pool's `ttl`
+  bounds the age of KV reused this way too; a block forgotten by `clear_tenant` is not shared).
 
 What this adds to the block-hash path is the trailing partial block: a prefix that ends inside a
 block is inherited too, and the row copies that block before writing into it (copy-on-write).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,10 +133,11 @@ class SemanticIndex:
 
     # -------------------------------------------------------------- lookup
     def best(self, tenant: str, model: str, vector: np.ndarray, tokens, limit: int, inherited: int,
-             versions: np.ndarray, block_size: int) -> tuple[int, list[int]] | None:
+             versions: np.ndarray, block_size: int, fresh: Callable[[int], bool]) -> tuple[int, list[int]] | None:
         """The longest verified prefix (of at most `limit` tokens) that beats `inherited` tokens:
         `(length, block table of the entry)`, or None. Only the tenant's own and published
-        entries of the same model are considered and counted."""
+        entries of the same model are considered and counted. `fresh(block)`: whether a full
+        block is still indexed and unexpired (`PrefixIndex.is_fresh`)."""
         now = self.clock()
         with self.lock:
             eligible = [e for e in self.entries if e.vector is not None and e.model == model
@@ -145,7 +149,7 @@ class SemanticIndex:
         best, source = inherited, None
         for i in order:
             self.counters["semantic_candidates"] += 1
-            common = self._verified_prefix(eligible[i], tokens[:limit], versions, block_size)
+            common = self._verified_prefix(eligible[i], tokens[:limit], versions, block_size, fresh)
             if common <= inherited:
                 self.counters["semantic_rejected"] += 1
             elif common > best:
@@ -153,15 +157,21 @@ class SemanticIndex:
         return None if source is None else (best, source.table)
 
     @staticmethod
-    def _verified_prefix(entry: Entry, tokens, versions: np.ndarray, block_size: int) -> int:
+    def _verified_prefix(entry: Entry, tokens, versions: np.ndarray, block_size: int,
+                         fresh: Callable[[int], bool]) -> int:
         """Tokens of `entry` the new prompt may inherit: the common token prefix, cut at the
-        first block that was freed since the entry was recorded."""
+        first block that was freed since the entry was recorded, and at the first full block
+        no longer fresh (expired or forgotten: its KV must not be reused by any path). The
+        entry's last, partial block is never indexed; it is written after the full blocks
+        before it, so it is no older than they are."""
         n = min(len(entry.tokens), len(tokens))
         differs = np.flatnonzero(entry.tokens[:n] != np.asarray(tokens[:n]))
         common = int(differs[0]) if len(differs) else n
         changed = np.flatnonzero(versions[entry.table] != entry.versions)
         resident = int(changed[0]) * block_size if len(changed) else common
-        return min(common, resident)
+        full = entry.table[: min(-(-common // block_size), len(entry.tokens) // block_size)]
+        stale = next((i for i, block in enumerate(full) if not fresh(block)), None)
+        return min(common, resident, common if stale is None else stale * block_size)
 
     # ------------------------------------------------------------ dropping
     def drop_oldest(self) -> int | None | bool:

@@ -1,0 +1,158 @@
+"""The model fingerprint that namespaces every cached block: whatever way the weights change
+after `enable` (tensors assigned or replaced, a few rows edited in place, a conversation that
+goes on across the change, a restart on other weights), KV of the old weights is never served,
+and generate gives exactly DynamicCache's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, assert_pool_clean, greedy, make_model
+from transformers import DynamicCache
+
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache, PagedKVError
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BLOCK = 8
+
+
+def prompt(n, seed, low=3):
+    return torch.randint(low, VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def generate(model, ids, cache, new=8):
+    return greedy(model, cache, ids, torch.ones_like(ids), new_tokens=new)
+
+
+def paged(model, ids):
+    """Tokens of a fresh request and how many prompt tokens it inherited."""
+    with PagedCache() as cache:
+        out = generate(model, ids, cache)
+        return out, cache.inherited[0]
+
+
+def reference(model, ids):
+    """DynamicCache's tokens: the model's own attention, on the weights it has now."""
+    hf_paged_kv.disable(model)
+    return generate(model, ids, DynamicCache())
+
+
+def cached_then_changed(change, ids=None):
+    """An enabled model whose prompt is cached, then `change(model)` applied to it."""
+    model, ids = make_model("llama", seed=1), prompt(40, 3) if ids is None else ids
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    assert paged(model, ids)[1] == 0
+    assert paged(model, ids)[1] == 32  # cached for the weights it has now
+    with torch.no_grad():
+        change(model)
+    return model, ids, pool
+
+
+# ------------------------------------------------------------- the changes
+def assign_other_weights(model):
+    """New tensors, not new values: `enable` saw other objects."""
+    model.load_state_dict(make_model("llama", seed=2).state_dict(), assign=True)
+
+
+def replace_key_value_projections(model):
+    """What adapter injection does: other modules where the old ones were."""
+    other = make_model("llama", seed=6)
+    for layer, donor in zip(model.model.layers, other.model.layers):
+        layer.self_attn.k_proj, layer.self_attn.v_proj = donor.self_attn.k_proj, donor.self_attn.v_proj
+
+
+def edit_late_embedding_rows(model):
+    """A fine-tune of some token embeddings: the first rows stay as they were."""
+    rows = model.model.embed_tokens.weight[48:]
+    rows += 0.5 * torch.randn(rows.shape, generator=torch.Generator().manual_seed(4))
+
+
+def negate_key_rows_after_the_first(model):
+    """Other keys and values, with each weight's first row (its first elements) unchanged."""
+    for layer in model.model.layers:
+        layer.self_attn.k_proj.weight[1:] *= -1.0
+        layer.self_attn.v_proj.weight[1:] *= 0.5
+
+
+@pytest.mark.parametrize("change", [assign_other_weights, replace_key_value_projections, edit_late_embedding_rows,
+                                    negate_key_rows_after_the_first])
+def test_changed_weights_never_inherit_the_old_kv(change):
+    ids = prompt(40, 3, low=48 if change is edit_late_embedding_rows else 3)  # tokens of the edited rows
+    model, ids, pool = cached_then_changed(change, ids=ids)
+    got, inherited = paged(model, ids)
+    assert inherited == 0
+    assert paged(model, ids)[1] == 32  # the new weights' KV is reused as usual
+    assert_pool_clean(pool)
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+
+
+def test_equal_weights_assigned_keep_the_cached_kv():
+    """The fingerprint is of the values, not of the tensor objects: reloading the same weights
+    (or restarting the process) keeps what they computed."""
+    model, ids, _ = cached_then_changed(lambda m: m.load_state_dict(make_model("llama", seed=1).state_dict(), assign=True))
+    got, inherited = paged(model, ids)
+    assert inherited == 32
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+
+
+def test_weights_assigned_in_another_dtype_are_refused():
+    model, ids, _ = cached_then_changed(
+        lambda m: m.load_state_dict({k: v.to(torch.bfloat16) for k, v in m.state_dict().items()}, assign=True))
+    with pytest.raises(PagedKVError, match="dtype or device changed after hf_paged_kv.enable"):
+        paged(model, ids)
+    hf_paged_kv.disable(model)
+
+
+# ------------------------------------------------------------ conversations
+def merge_adapter(model):
+    """An in-place update of every key projection, as merging a LoRA adapter does."""
+    for layer in model.model.layers:
+        weight = layer.self_attn.k_proj.weight
+        weight.add_(0.3 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(5)))
+
+
+def chat(model, cache, turn1, turn2):
+    """Two turns in one cache, the adapter merged between them; returns the second turn's output."""
+    out = generate(model, turn1, cache, new=4)
+    with torch.no_grad():
+        merge_adapter(model)
+    return generate(model, torch.cat([out, turn2], 1), cache, new=4)
+
+
+def test_a_conversation_continued_on_changed_weights_shares_nothing():
+    """The second turn extends KV of the old weights with the new ones: like DynamicCache, but
+    such KV matches neither weights, so no later request may inherit it."""
+    model = make_model("llama", seed=1)
+    original = {name: weight.clone() for name, weight in model.state_dict().items()}
+    turn1, turn2 = prompt(20, 3), prompt(20, 4)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4, hot_threshold=None))
+    with PagedCache() as cache:
+        got = chat(model, cache, turn1, turn2)
+    model.load_state_dict(original)  # unmerge: the first weights again
+    question = torch.cat([got, prompt(3, 6)], 1)
+    answer, inherited = paged(model, question)
+    assert inherited == 0
+    assert_pool_clean(pool)
+    torch.testing.assert_close(answer, reference(model, question), rtol=0, atol=0)
+    model.load_state_dict(original)
+    torch.testing.assert_close(got, chat(model, DynamicCache(), turn1, turn2), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- restarts
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")  # it names each file of other weights it ignores
+def test_disk_kv_of_other_weights_is_not_loaded_after_a_restart(tmp_path):
+    system = prompt(40, 7)
+    first = make_model("llama", seed=61)
+    hf_paged_kv.enable(first, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(first, system[0])
+    hf_paged_kv.disable(first)
+    second = make_model("llama", seed=61)  # a new checkpoint of the same config
+    with torch.no_grad():
+        negate_key_rows_after_the_first(second)
+    pool = hf_paged_kv.enable(second, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert pool.stats()["disk_blocks"] == 0
+    ids = torch.cat([system, prompt(6, 8)], 1)
+    got, inherited = paged(second, ids)
+    assert inherited == 0
+    torch.testing.assert_close(got, reference(second, ids), rtol=0, atol=0)
