@@ -65,10 +65,11 @@ def shared_prefixes(pool: KVPool, model: str, tenant: str, ids: np.ndarray, real
         for digest in chain:
             counts[digest] = counts.get(digest, 0) + 1
     now, ends = pool.policy.now(), {}
-    for tokens, chain in chains:
-        shared = [d for d, digest in enumerate(chain) if counts[digest] > 1]
-        if shared and index.lookup(chain[shared[-1]], now) is None:
-            ends[chain[shared[-1]]] = (tokens[: (shared[-1] + 1) * size], set(chain[: shared[-1]]))
+    with pool.locked():  # another thread's eviction must not unindex a block between two looks
+        for tokens, chain in chains:
+            shared = [d for d, digest in enumerate(chain) if counts[digest] > 1]
+            if shared and index.lookup(chain[shared[-1]], now) is None:
+                ends[chain[shared[-1]]] = (tokens[: (shared[-1] + 1) * size], set(chain[: shared[-1]]))
     inner = set().union(*(inside for _, inside in ends.values())) if ends else set()
     return [tokens.tolist() for digest, (tokens, _) in ends.items() if digest not in inner]
 
