@@ -249,7 +249,7 @@ def engine_knobs(engine) -> list[Knob]:
         return Knob(name, configured, {"normal": configured, "pressure": max(configured, pressure),
                                        "overload": max(configured, overload)}, 0.0, max(high, configured), apply)
 
-    def shrink_pins(value):  # the pins' registry changes only under the pool's lock
+    def set_pin_budget(value):  # the pins' registry changes only under the pool's lock
         with pool.locked():
             pins.set_budget(value)
 
@@ -260,7 +260,7 @@ def engine_knobs(engine) -> list[Knob]:
         Knob("max_batch_tokens", budget, {}, min(budget, max(16, budget // 4)), budget * 2,
              setter(limits, "max_batch_tokens", int)),
         Knob("pin_budget", pin_budget, {"normal": pin_budget, "pressure": pin_budget / 2, "overload": pin_budget / 4},
-             0.0, 1.0, shrink_pins),
+             0.0, 1.0, set_pin_budget),
         Knob("half_life", half_life, {"normal": half_life, "pressure": half_life / 4, "overload": half_life / 4},
              half_life / 16, half_life, setter(policy, "half_life")),
         Knob("prefetch_depth", depth, {"normal": depth, "pressure": 0, "overload": 0}, 0, max(16, depth),

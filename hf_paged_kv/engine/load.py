@@ -9,7 +9,6 @@ ones.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import numpy as np
@@ -28,7 +27,6 @@ class LoadControl:
         self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
         self.started = time.monotonic()
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
-        self.lock = threading.Lock()  # client threads count arrivals concurrently
         self.lookups_seen = dict.fromkeys(("lookup_tokens", "device", "host", "disk"), 0)
         self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
         if self.controller is not None:
@@ -37,15 +35,14 @@ class LoadControl:
             for name, value in self.controller.settings().items():
                 if name != "state":
                     engine.metrics.knobs.labels(name).set(value)
-            for state in STATES:
-                engine.metrics.controller_state.labels(state).set(1 if state == "normal" else 0)
+            self._show_state()
 
     # ----------------------------------------------------------- events
     def admit_or_refuse(self, priority: int) -> None:
         """Count a request's arrival; raise `Overloaded` when it must be refused: the queue is at
-        `max_waiting`, or its priority is shed (`refuses`)."""
-        with self.lock:
-            self.counts["requests_submitted"] += 1
+        `max_waiting`, or its priority is shed (`refuses`). Called under the engine's submit gate,
+        so concurrent clients neither lose a count nor pass `max_waiting` together."""
+        self.counts["requests_submitted"] += 1
         self.signals.record("arrival")
         engine = self.engine
         backlog = len(engine.scheduler.waiting) + engine.incoming.qsize()
@@ -149,12 +146,15 @@ class LoadControl:
         self.lookups_seen = now
         return self.hit_rates
 
+    def _show_state(self) -> None:
+        for state in STATES:
+            self.engine.metrics.controller_state.labels(state).set(1 if self.controller.state == state else 0)
+
     def _counted(self, knob: str, value: float) -> None:
         metrics = self.engine.metrics
         metrics.controller_actions.labels(knob).inc()
         if knob == "state":
-            for state in ("normal", "pressure", "overload"):
-                metrics.controller_state.labels(state).set(1 if self.controller.state == state else 0)
+            self._show_state()
         else:
             metrics.knobs.labels(knob).set(value)
 
