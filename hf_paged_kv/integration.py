@@ -19,6 +19,7 @@ enabled model still works with `DynamicCache`. The serving engine activates its 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import math
@@ -42,6 +43,9 @@ ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger spec
 _STATE_ATTR = "hf_paged_kv_state"
 _PREVIOUS: dict[int, str] = {}  # id(model config) -> the attention implementation before enable
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
+# (model, cache) pairs whose weights were checked in the `generate` call running on this thread
+# (None outside one): the weights do not change within a call, so one check per call is enough
+_CHECKED_IN_CALL: contextvars.ContextVar[set | None] = contextvars.ContextVar("hf_paged_kv_checked", default=None)
 
 
 @dataclass
@@ -50,11 +54,12 @@ class EnabledState:
     backend: object
     previous_attention: str
     original_forward: object
+    original_generate: object
     config_digest: str
     fingerprint: str
     layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
     checked: float  # when the fingerprint was last taken (monotonic seconds)
-    forward_was_set: bool  # the model had a `forward` instance attribute before enable (another wrapper)
+    wrapped_before: tuple  # the methods of `_WRAPPED` the model had as instance attributes before enable
 
 
 def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
@@ -94,11 +99,14 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         model.set_attn_implementation(previous)
         _PREVIOUS.pop(id(model.config), None)
         raise
-    original = model.forward
-    state = EnabledState(pool, backends.create(backend_name, pool), previous, original, config_digest, fingerprint,
-                         layout, time.monotonic(), "forward" in vars(model))
+    original, original_generate = model.forward, getattr(model, "generate", None)
+    state = EnabledState(pool, backends.create(backend_name, pool), previous, original, original_generate,
+                         config_digest, fingerprint, layout, time.monotonic(),
+                         tuple(name for name in _WRAPPED if name in vars(model)))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
+    if original_generate is not None:  # a model without `generate` checks at each multi-token forward
+        model.generate = _checking_generate(original_generate)
     return pool
 
 
@@ -107,11 +115,12 @@ def disable(model) -> None:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         return
-    if vars(model).get("forward") is not None and getattr(model.forward, "__wrapped__", None) is state.original_forward:
-        if state.forward_was_set:
-            model.forward = state.original_forward
-        else:
-            del model.forward  # the class's forward shows again
+    for name, original in zip(_WRAPPED, (state.original_forward, state.original_generate)):
+        if original is not None and getattr(vars(model).get(name), "__wrapped__", None) is original:
+            if name in state.wrapped_before:
+                setattr(model, name, original)
+            else:
+                delattr(model, name)  # the class's method shows again
     model.set_attn_implementation(state.previous_attention)
     _PREVIOUS.pop(id(model.config), None)
     delattr(model, _STATE_ATTR)
@@ -151,6 +160,37 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
 
 
 # ------------------------------------------------------------------ forward wrapper
+_WRAPPED = ("forward", "generate")
+
+
+def _checking_generate(original):
+    """`generate`, with the weights checked once per cache per call: assisted decoding's
+    verification forwards feed several tokens each, and would otherwise each re-take the
+    fingerprint (`_weights_unchecked`)."""
+    @functools.wraps(original)
+    def generate(*args, **kwargs):
+        token = _CHECKED_IN_CALL.set(set())
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _CHECKED_IN_CALL.reset(token)
+
+    return generate
+
+
+def _weights_unchecked(model, cache: PagedCache, shape: tuple) -> bool:
+    """Whether this forward re-takes the fingerprint: inside a `generate` call, its first forward
+    for this cache; outside one, any forward that starts a cache or feeds more than one token (a
+    new request or a new turn; a decode step checks dtype and device only)."""
+    checked = _CHECKED_IN_CALL.get()
+    if checked is None:
+        return not cache.is_initialized or shape[1] > 1
+    if (id(model), id(cache)) in checked:
+        return False
+    checked.add((id(model), id(cache)))
+    return True
+
+
 def _paged_forward(model, original):
     @functools.wraps(original)  # generate reads the signature (logits_to_keep support) through __wrapped__
     def forward(*args, **kwargs):
@@ -166,11 +206,9 @@ def _paged_forward(model, original):
         if inputs is None:
             raise PagedKVError("forward needs input_ids or inputs_embeds")
         shape = tuple(inputs.shape[:2])
-        # a new request or a new turn (any forward of more than one column) checks the weights, so a
-        # conversation continued on changed weights stops sharing its KV (PagedCache.begin_forward);
-        # a decode step checks dtype and device only: weights do not change within one generate
-        prefill_step = not cache.is_initialized or shape[1] > 1
-        fingerprint = current_fingerprint(model, 0.0 if prefill_step else float("inf"))
+        # each new request or turn checks the weights, so a conversation continued on changed
+        # weights stops sharing its KV (PagedCache.begin_forward)
+        fingerprint = current_fingerprint(model, 0.0 if _weights_unchecked(model, cache, shape) else float("inf"))
         extras = _per_token_extras(kwargs)
         may_skip = _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:

@@ -156,3 +156,38 @@ def test_disk_kv_of_other_weights_is_not_loaded_after_a_restart(tmp_path):
     got, inherited = paged(second, ids)
     assert inherited == 0
     torch.testing.assert_close(got, reference(second, ids), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------- its cost
+def count_weight_reads(model) -> list:
+    """Count the full passes over `model.named_parameters()` (one per fingerprint taken); the
+    dtype check's single lookup does not count."""
+    passes, named_parameters = [], model.named_parameters
+
+    def counting(*args, **kwargs):
+        yield from named_parameters(*args, **kwargs)
+        passes.append(1)
+
+    model.named_parameters = counting
+    return passes
+
+
+def test_assisted_decoding_takes_the_fingerprint_once_per_call():
+    """Verification forwards feed several tokens each; within one `generate` call the weights do
+    not change, so only its first forward reads them. A direct multi-token forward still does."""
+    model, assistant = make_model("llama", seed=10), make_model("llama", seed=11)
+    ids = prompt(30, 12)
+    expected = model.generate(input_ids=ids, past_key_values=DynamicCache(), max_new_tokens=20, do_sample=False)
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
+    passes = count_weight_reads(model)
+    with PagedCache() as cache:
+        got = model.generate(input_ids=ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=20,
+                             do_sample=False)
+        assert len(passes) == 1
+        model(input_ids=got[:, -1:], past_key_values=cache)  # a decode step outside generate: no read
+        assert len(passes) == 1
+        model(input_ids=prompt(3, 13), past_key_values=cache)  # a new turn outside generate: a read
+        assert len(passes) == 2
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    hf_paged_kv.disable(model)
+    assert "generate" not in vars(model) and "forward" not in vars(model)
