@@ -37,6 +37,7 @@ class BlockMeta:
     expires: float | None = None
     priority: int = 0
     fill: int = 0  # tokens the block holds
+    parent: bytes = b""  # digest of the block before it in its sequence (its namespace root for the first)
 
     def expired(self, now: float) -> bool:
         return self.expires is not None and now >= self.expires
@@ -80,9 +81,9 @@ class Policy:
         return self.clock()
 
     def new_meta(self, digest: bytes, tenant: str, depth: int, model: str, now: float, weight: float = 1.0,
-                 priority: int = 0, fill: int = 0) -> BlockMeta:
+                 priority: int = 0, fill: int = 0, parent: bytes = b"") -> BlockMeta:
         expires = None if self.ttl is None else now + self.ttl
-        return BlockMeta(digest, tenant, depth, model, weight, now, expires, priority, fill)
+        return BlockMeta(digest, tenant, depth, model, weight, now, expires, priority, fill, parent)
 
     def value(self, meta: BlockMeta, now: float) -> float:
         return meta.value(now, self.half_life)

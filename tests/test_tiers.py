@@ -219,6 +219,43 @@ def test_a_full_host_tier_drops_leaves_not_the_root_of_a_prefix(model):
     assert_pool_clean(pool)
 
 
+def test_a_full_host_tier_drops_a_cold_leaf_beside_a_deeper_unrelated_prefix(model):
+    """Each block names its parent, so a one-block prefix is a leaf even while another prefix
+    has a block one deeper: the cold one goes, not the hot prefix's end."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=3))
+    clock = manual_clock(pool)
+    cold, hot, late = tokens(8, 21), tokens(16, 22), tokens(8, 23)
+    request(model, cold)  # one full block (8 prompt + 4 generated tokens)
+    clock[0] = 1200.0  # two half-lives later
+    request(model, hot)  # two full blocks
+    evict_all(pool)  # three blocks, three host slots
+    request(model, late)
+    evict_all(pool)  # a fourth: the lowest-value leaf goes
+    assert pool.stats()["host_drops"] == 1
+    assert hf_paged_kv.cached_tokens(model, cold) == {"device": 0, "host": 0, "disk": 0}
+    assert hf_paged_kv.cached_tokens(model, hot) == {"device": 0, "host": 16, "disk": 0}
+    assert hf_paged_kv.cached_tokens(model, late)["host"] == 8
+    assert_pool_clean(pool)
+
+
+def test_a_published_block_continued_by_a_tenant_is_not_a_leaf_on_the_host(model):
+    """A tenant's block after a published prefix chains in the tenant's namespace, yet names the
+    published block as its parent: that cold parent stays while its continuation is held."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=3))
+    clock = manual_clock(pool)
+    public = tokens(16, 31)
+    hf_paged_kv.publish(model, public)
+    clock[0] = 1200.0
+    own = torch.cat([public, tokens(8, 32)])
+    assert request(model, own, tenant="t")[0] == 16  # inherits the published blocks, indexes its own third
+    evict_all(pool)
+    request(model, tokens(8, 33), tenant="t")
+    evict_all(pool)  # a fourth block: a leaf goes, never the published parent
+    assert pool.stats()["host_drops"] == 1
+    assert hf_paged_kv.cached_tokens(model, public, tenant="t")["host"] == 16
+    assert_pool_clean(pool)
+
+
 def test_a_block_recomputed_while_held_on_the_host_drops_nothing_there(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=1))
     system = tokens(40, 1)

@@ -144,7 +144,7 @@ class ReuseManager:
             return
         start = sequence.digests[-1] if done else self.index.root(model, tenant)
         digests = self.index.chain(start, tokens)
-        for position, known in self.index.register(model, tenant, done, digests, sequence.blocks, priority):
+        for position, known in self.index.register(model, tenant, done, digests, sequence.blocks, priority, start):
             self.allocator.incref([known])
             self.allocator.decref([sequence.blocks[position]])
             sequence.blocks[position] = known

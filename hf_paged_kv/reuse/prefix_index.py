@@ -83,8 +83,9 @@ class PrefixIndex:
 
     # ------------------------------------------------------- registration
     def register(self, model: str, tenant: str, first: int, digests: list[bytes], table: list[int],
-                 priority: int = 0) -> list[tuple[int, int]]:
-        """Index blocks `first, first+1, ...` of a sequence, named by `digests`, held in `table`.
+                 priority: int = 0, before: bytes = b"") -> list[tuple[int, int]]:
+        """Index blocks `first, first+1, ...` of a sequence, named by `digests`, held in `table`;
+        `before` is the digest the chain continues (`root` for the first block).
 
         Returns `(position, block)` replacements: where an equal block is already indexed under
         another id, the sequence should use that one and drop its own copy (deduplication).
@@ -92,6 +93,10 @@ class PrefixIndex:
         now = self.policy.now()
         replacements = []
         parent = table[first - 1] if first else None
+        # each block's record names the digest of the block it continues, so that the tiers can
+        # tell leaves exactly; that is the parent's own name where the sequence inherited a block
+        # published under another namespace than the one `digests` chain in
+        parent_digest = self.metas[parent].digest if parent in self.metas else before
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
@@ -100,11 +105,12 @@ class PrefixIndex:
                 block = known
             elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
                 weight = self._revive(digest, now)
-                meta = self.policy.new_meta(digest, tenant, position, model, now, weight, priority, self.block_size)
+                meta = self.policy.new_meta(digest, tenant, position, model, now, weight, priority, self.block_size,
+                                            parent_digest)
                 self._add(block, meta, parent)
             if block in self.metas:
                 self.metas[block].priority = max(self.metas[block].priority, priority)
-            parent = block
+            parent, parent_digest = block, self.metas[block].digest if block in self.metas else digest
         return replacements
 
     def adopt(self, block: int, meta: BlockMeta, parent: int | None) -> None:

@@ -17,30 +17,19 @@ an inner block would strand every block after it. The disk tier drops the same w
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Hashable, Mapping
 
 import torch
 
 from ..policy import BlockMeta, Policy
-from ..reuse.prefix_index import PUBLIC_TENANT
 
 
 def droppable(metas: Mapping[Hashable, BlockMeta], now: float) -> list[Hashable]:
     """The keys of `metas` a tier may drop without stranding another block it holds: leaves
-    and expired blocks (nothing past an expired block is reachable either).
-
-    Digests are chained hashes, so a tier cannot name a block's parent; it takes a block for a
-    leaf when it holds no block one deeper of the same model and tenant (of any tenant, for a
-    published block: other tenants' blocks may continue it). That may keep an unrelated block
-    longer, never strands one."""
-    own = Counter((m.model, m.tenant, m.depth) for m in metas.values())
-    anyone = Counter((m.model, m.depth) for m in metas.values())
-
-    def continued(m: BlockMeta) -> bool:
-        return bool(anyone[m.model, m.depth + 1] if m.tenant == PUBLIC_TENANT else own[m.model, m.tenant, m.depth + 1])
-
-    return [key for key, m in metas.items() if m.expired(now) or not continued(m)]
+    (no block held names them as its parent) and expired blocks (nothing past an expired block
+    is reachable either)."""
+    parents = {m.parent for m in metas.values()}
+    return [key for key, m in metas.items() if m.expired(now) or m.digest not in parents]
 
 
 class HostTier:
