@@ -16,14 +16,23 @@ Not thread-safe by itself: `KVPool` calls it under its lock.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .errors import PagedKVError
 
 
 class BlockAllocator:
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
+    """Args:
+        num_blocks: the pool's size.
+        on_idle: called with the blocks each `decref` leaves unreferenced, whoever calls it (a
+            sequence ending, a deduplicated copy, a trimmed semantic entry): the host tier marks
+            when queued kernels are done with them before a promotion may overwrite them.
+    """
+
+    def __init__(self, num_blocks: int, on_idle: Callable[[list[int]], None] | None = None):
+        self.num_blocks, self.on_idle = num_blocks, on_idle
         self.refcount = np.zeros(num_blocks, dtype=np.int32)
         self.free = np.ones(num_blocks, dtype=bool)
         self.cached = np.zeros(num_blocks, dtype=bool)
@@ -108,6 +117,8 @@ class BlockAllocator:
                 idle.append(block)
                 if not self.cached[block]:
                     self._free_block(block)
+        if idle and self.on_idle is not None:
+            self.on_idle(idle)
         return idle
 
     def set_cached(self, block: int, cached: bool) -> None:

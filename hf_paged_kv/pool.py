@@ -97,12 +97,12 @@ class KVPool:
         tensors = block_tensors([entry for entry in shapes for _ in ("key", "value")], self.dtype)
         self.key_cache, self.value_cache = tensors[0::2], tensors[1::2]
         self.layers = list(layers)
-        self.allocator = BlockAllocator(self.num_blocks)
-        self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
-                                  self.options["pin_budget"], self.options["hot_threshold"])
         shapes = [(self.block_size, s.num_kv_heads, s.head_dim) for s in self.layers]
         self.tiers = TierChain.build(self.policy, shapes, self.dtype, self.layers[0].device, model,
                                      self.options["host_blocks"], self.options["disk_dir"], self.options["disk_bytes"])
+        self.allocator = BlockAllocator(self.num_blocks, on_idle=self.tiers.note_idle)
+        self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
+                                  self.options["pin_budget"], self.options["hot_threshold"])
 
     @property
     def bytes_per_block(self) -> int:
@@ -156,7 +156,7 @@ class KVPool:
     def decref(self, blocks) -> None:
         """Drop one reference from each block; unindexed blocks reaching zero are freed."""
         with self.locked():
-            self.tiers.note_idle(self.allocator.decref(blocks))
+            self.allocator.decref(blocks)
 
     def num_free(self) -> int:
         return self.allocator.num_free

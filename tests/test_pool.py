@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import greedy, make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged_kv import KVPool, PagedKVError, PoolExhaustedError
+import hf_paged_kv
+from hf_paged_kv import KVPool, PagedCache, PagedKVError, PoolExhaustedError
 from hf_paged_kv.allocator import BlockAllocator
 from hf_paged_kv.pool import HUGE_PAGE, LayerSpec, block_tensors
 from hf_paged_kv.sizing import DEFAULT_CPU_BYTES
@@ -159,3 +161,34 @@ def test_allocator_never_leaks_or_double_frees(ops):
         assert report["blocks_free"] + len(set(held)) == pool.num_blocks
     pool.decref(held)
     assert pool.num_free() == pool.num_blocks and pool.audit()["references"] == 0
+
+
+def test_every_block_let_go_is_reported_idle_whoever_lets_it_go():
+    """The host tier must know when queued kernels are done with a block before a promotion
+    may overwrite it. A block is let go by a sequence ending, and also by deduplication: a
+    second request decoding the same tokens as the first drops its own copy of each block the
+    first already indexed. Every block taken and free again was reported."""
+    model = make_model("llama", seed=3)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=4))
+    taken, reported, take, on_idle = set(), set(), pool.allocator.take, pool.allocator.on_idle
+
+    def spy_take(*args, **kwargs):
+        blocks = take(*args, **kwargs)
+        taken.update(blocks)
+        return blocks
+
+    def spy_idle(blocks):
+        reported.update(blocks)
+        on_idle(blocks)
+
+    pool.allocator.take, pool.allocator.on_idle = spy_take, spy_idle
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(4))
+    with PagedCache() as first:
+        expected = greedy(model, first, ids, torch.ones_like(ids), new_tokens=12)
+        indexed = first.block_tables()[0][:5]
+    with PagedCache() as second:
+        torch.testing.assert_close(greedy(model, second, ids, torch.ones_like(ids), new_tokens=12), expected,
+                                   rtol=0, atol=0)
+        assert second.block_tables()[0][:5] == indexed  # two inherited, three deduplicated
+        let_go = {b for b in taken if pool.allocator.free[b]}
+        assert let_go and let_go <= reported
