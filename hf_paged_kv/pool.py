@@ -92,7 +92,7 @@ class KVPool:
             return
         self.dtype = self.dtype or dtype
         self.num_blocks = sizing.choose_num_blocks(self.options, layers, self.block_size, self.dtype)
-        sizing.check_fits(layers, self.num_blocks, self.block_size, self.dtype)
+        sizing.check_fits(layers, self.num_blocks, self.block_size, self.dtype, self.options["host_blocks"])
         shapes = [((self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim), s.device) for s in layers]
         tensors = block_tensors([entry for entry in shapes for _ in ("key", "value")], self.dtype)
         self.key_cache, self.value_cache = tensors[0::2], tensors[1::2]

@@ -59,8 +59,10 @@ def choose_num_blocks(options: dict, layers, block_size: int, dtype: torch.dtype
     return count
 
 
-def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
-    """Refuse a pool that a device cannot hold, naming the bytes needed and available."""
+def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype, host_blocks: int | None = None) -> None:
+    """Refuse a pool that a device cannot hold, or a host tier that host memory cannot hold
+    beside the pool's blocks there, naming the bytes needed and available."""
+    cpu = torch.device("cpu")
     for device in {s.device for s in layers}:
         needed = num_blocks * block_bytes([s for s in layers if s.device == device], block_size, dtype)
         available = available_bytes(device)
@@ -69,6 +71,14 @@ def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype) -> 
                 f"a KVPool of {num_blocks} blocks of {block_size} tokens needs {needed:,} bytes on {device}, "
                 f"but only {available:,} are available; give KVPool a smaller num_blocks, max_bytes or "
                 "memory_fraction"
+            )
+    if host_blocks:
+        on_cpu = num_blocks * block_bytes([s for s in layers if s.device == cpu], block_size, dtype)
+        needed, available = host_blocks * block_bytes(layers, block_size, dtype), available_bytes(cpu) - on_cpu
+        if needed > available:
+            raise PagedKVError(
+                f"a host tier of {host_blocks} blocks of {block_size} tokens needs {needed:,} bytes of host memory, "
+                f"but only {max(available, 0):,} are available beside the pool; give KVPool a smaller host_blocks"
             )
 
 

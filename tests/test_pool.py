@@ -57,6 +57,13 @@ def test_sizes_that_cannot_be_allocated_are_refused_before_allocating(kwargs):
     assert not pool.is_bound
 
 
+def test_a_host_tier_host_memory_cannot_hold_is_refused_before_allocating():
+    pool = KVPool(num_blocks=8, host_blocks=10**13)
+    with pytest.raises(PagedKVError, match=r"host tier of 10000000000000 blocks .* needs [\d,]+ bytes of host memory"):
+        pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)
+    assert not pool.is_bound
+
+
 def test_rebinding_to_other_shapes_is_refused():
     pool = bound_pool()
     pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)  # same shapes: fine
