@@ -44,6 +44,7 @@ class _Forward:
     ids: np.ndarray  # [B, T] token ids (-1 where only embeddings were given)
     inherited: np.ndarray  # per row: leading real tokens already stored (a reused prefix)
     lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
+    new_turn: bool  # the forward begins a turn of the conversation (`pin_turns` counts them)
 
 
 class PagedCache(Cache):
@@ -56,9 +57,9 @@ class PagedCache(Cache):
             prefixes published to all by `hf_paged_kv.publish`).
         reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
             ones (default). `False` computes everything and shares nothing.
-        pin_turns: pin the first N turns of this conversation (a turn is a prefill of more
-            than one token, i.e. one `generate` call) in device memory, within the pool's pin
-            budget; see `hf_paged_kv.reuse.pins`.
+        pin_turns: pin the first N turns of this conversation (a turn is one `generate` call;
+            outside `generate`, a forward of more than one token) in device memory, within the
+            pool's pin budget; see `hf_paged_kv.reuse.pins`.
         priority: weight of this request's cached blocks in eviction and demotion (each step
             doubles their value; see `hf_paged_kv.policy`).
     """
@@ -217,10 +218,11 @@ class PagedCache(Cache):
 
     # ------------------------------------------------------ forward lifecycle
     def begin_forward(self, pool: KVPool, model: str, input_ids, attention_mask, shape: tuple[int, int],
-                      allow_reuse: bool, logical: bool = False) -> step.StepPlan:
+                      allow_reuse: bool, logical: bool = False, new_turn: bool | None = None) -> step.StepPlan:
         """Plan the forward about to run on `pool` with the weights fingerprinted `model` (see
         `prefill.prepare_forward`; `allow_reuse`: only the last logits are needed, as in
-        generate). Raises PoolExhaustedError before changing anything when the pool is full."""
+        generate; `new_turn`: the forward begins a turn, by default when it feeds more than one
+        token). Raises PoolExhaustedError before changing anything when the pool is full."""
         self._check_alive()
         if self._forward is not None:  # the previous forward never finished (interrupted)
             self.abort_forward()
@@ -237,7 +239,8 @@ class PagedCache(Cache):
             pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
             allow_reuse, logical)
         before = [] if fresh else [s.length for s in sequences]
-        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before)
+        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before,
+                                                            width > 1 if new_turn is None else new_turn)
         if fresh:
             self.inherited = inherited.tolist()
         return plan
@@ -248,8 +251,8 @@ class PagedCache(Cache):
         forward, self._forward = self._forward, None
         if forward is None:
             return
-        width = forward.real.shape[1]
-        pin_until = self.turn_pins.turn_began(forward.lengths_before or [0] * len(self.sequences)) if width > 1 else None
+        lengths_before = forward.lengths_before or [0] * len(self.sequences)
+        pin_until = self.turn_pins.turn_began(lengths_before) if forward.new_turn else None
         for b, sequence in enumerate(self.sequences):
             sequence.append(forward.real[b], forward.ids[b][forward.real[b]][forward.inherited[b] :])
         if self.reuse and self._model is not None:

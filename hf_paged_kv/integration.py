@@ -164,9 +164,9 @@ _WRAPPED = ("forward", "generate")
 
 
 def _checking_generate(original):
-    """`generate`, with the weights checked once per cache per call: assisted decoding's
-    verification forwards feed several tokens each, and would otherwise each re-take the
-    fingerprint (`_weights_unchecked`)."""
+    """`generate`, marking its call so that each cache begins one turn per call: assisted
+    decoding's verification forwards feed several tokens each, and would otherwise each re-take
+    the fingerprint and count as a turn (`_begins_turn`)."""
     @functools.wraps(original)
     def generate(*args, **kwargs):
         token = _CHECKED_IN_CALL.set(set())
@@ -178,10 +178,11 @@ def _checking_generate(original):
     return generate
 
 
-def _weights_unchecked(model, cache: PagedCache, shape: tuple) -> bool:
-    """Whether this forward re-takes the fingerprint: inside a `generate` call, its first forward
-    for this cache; outside one, any forward that starts a cache or feeds more than one token (a
-    new request or a new turn; a decode step checks dtype and device only)."""
+def _begins_turn(model, cache: PagedCache, shape: tuple) -> bool:
+    """Whether this forward begins a turn of the conversation in `cache`, which re-takes the
+    fingerprint and counts for `pin_turns`: inside a `generate` call, its first forward for this
+    cache; outside one, any forward that starts a cache or feeds more than one token (a decode
+    step checks dtype and device only)."""
     checked = _CHECKED_IN_CALL.get()
     if checked is None:
         return not cache.is_initialized or shape[1] > 1
@@ -208,7 +209,8 @@ def _paged_forward(model, original):
         shape = tuple(inputs.shape[:2])
         # each new request or turn checks the weights, so a conversation continued on changed
         # weights stops sharing its KV (PagedCache.begin_forward)
-        fingerprint = current_fingerprint(model, 0.0 if _weights_unchecked(model, cache, shape) else float("inf"))
+        new_turn = _begins_turn(model, cache, shape)
+        fingerprint = current_fingerprint(model, 0.0 if new_turn else float("inf"))
         extras = _per_token_extras(kwargs)
         may_skip = _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
@@ -220,7 +222,7 @@ def _paged_forward(model, original):
         # then told no ids, as with inputs_embeds, so no rows are merged and nothing is indexed or
         # inherited by ids (equal ids with other token types gave another row's tokens)
         plan = cache.begin_forward(state.pool, fingerprint, None if extras else input_ids, kwargs.get("attention_mask"),
-                                   shape, may_skip, logical=need_weights)
+                                   shape, may_skip, logical=need_weights, new_turn=new_turn)
         if plan.skip:
             args, kwargs = _drop_columns(args, kwargs, plan.skip)
         try:

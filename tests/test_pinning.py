@@ -99,6 +99,22 @@ def test_pin_turns_pins_the_first_turns(model):
         PagedCache(pin_turns=1, reuse=False)
 
 
+def test_a_turn_of_assisted_decoding_is_one_turn(model):
+    """Assisted decoding verifies several tokens per forward; the call is still one turn, so
+    the first turn is pinned whole when the second begins, not after its first verification."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK))
+    assistant = make_model("llama", seed=42)
+    with PagedCache(pin_turns=1) as cache:
+        ids = tokens(30, 15)[None]
+        reply = model.generate(input_ids=ids, past_key_values=cache, assistant_model=assistant, max_new_tokens=12,
+                               do_sample=False)
+        assert pool.stats()["blocks_pinned"] == 0
+        follow = torch.cat([reply, tokens(5, 16)[None]], 1)
+        model.generate(input_ids=follow, past_key_values=cache, assistant_model=assistant, max_new_tokens=4,
+                       do_sample=False)
+        assert [p["tokens"] for p in pool.stats()["pins"]] == [(reply.shape[1] - 1) // BLOCK * BLOCK]
+
+
 def test_hot_prefix_is_pinned_automatically_and_cools_down(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK, hot_threshold=3.0, half_life=10.0))
     clock = manual_clock(pool)

@@ -216,9 +216,9 @@ class PinRegistry:
 
 
 class TurnPins:
-    """`PagedCache(pin_turns=N)`: pin the first N turns of a conversation, where a turn is a
-    forward of more than one token (one `generate` call). Their blocks are pinned when turn
-    N + 1 begins, or when the cache is released after fewer turns."""
+    """`PagedCache(pin_turns=N)`: pin the first N turns of a conversation, where a turn is one
+    `generate` call (outside `generate`, a forward of more than one token). Their blocks are
+    pinned when turn N + 1 begins, or when the cache is released after fewer turns."""
 
     def __init__(self, turns: int):
         if turns < 0:
