@@ -90,16 +90,18 @@ class KVPool:
             if layers != self.layers or (self.dtype or dtype) != self.dtype:
                 raise PagedKVError("this KVPool is already bound to a model with other layer shapes or dtype")
             return
-        self.dtype = self.dtype or dtype
-        self.num_blocks = sizing.choose_num_blocks(self.options, layers, self.block_size, self.dtype)
-        sizing.check_fits(layers, self.num_blocks, self.block_size, self.dtype, self.options["host_blocks"])
-        shapes = [((self.num_blocks, self.block_size, s.num_kv_heads, s.head_dim), s.device) for s in layers]
-        tensors = block_tensors([entry for entry in shapes for _ in ("key", "value")], self.dtype)
+        # everything that can fail runs before anything is assigned: a failed bind leaves the
+        # pool unbound (a retried enable fails the same way instead of using half a pool)
+        dtype = self.dtype or dtype
+        num_blocks = sizing.choose_num_blocks(self.options, layers, self.block_size, dtype)
+        sizing.check_fits(layers, num_blocks, self.block_size, dtype, self.options["host_blocks"])
+        shapes = [(self.block_size, s.num_kv_heads, s.head_dim) for s in layers]
+        tiers = TierChain.build(self.policy, shapes, dtype, layers[0].device, model,
+                                self.options["host_blocks"], self.options["disk_dir"], self.options["disk_bytes"])
+        tensors = block_tensors([((num_blocks, *shape), s.device) for shape, s in zip(shapes, layers) for _ in "kv"],
+                                dtype)
+        self.dtype, self.num_blocks, self.layers, self.tiers = dtype, num_blocks, list(layers), tiers
         self.key_cache, self.value_cache = tensors[0::2], tensors[1::2]
-        self.layers = list(layers)
-        shapes = [(self.block_size, s.num_kv_heads, s.head_dim) for s in self.layers]
-        self.tiers = TierChain.build(self.policy, shapes, self.dtype, self.layers[0].device, model,
-                                     self.options["host_blocks"], self.options["disk_dir"], self.options["disk_bytes"])
         self.allocator = BlockAllocator(self.num_blocks, on_idle=self.tiers.note_idle)
         self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
                                   self.options["pin_budget"], self.options["hot_threshold"])

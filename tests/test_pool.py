@@ -64,6 +64,17 @@ def test_a_host_tier_host_memory_cannot_hold_is_refused_before_allocating():
     assert not pool.is_bound
 
 
+def test_a_failed_bind_leaves_the_pool_unbound(tmp_path):
+    """A tier that cannot be built fails the bind before anything is assigned: enabling again
+    fails the same way instead of running on half a pool."""
+    model = make_model("llama", seed=3)
+    pool = KVPool(num_blocks=8, disk_dir=tmp_path, disk_bytes=1)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="cannot hold one block file"):
+            hf_paged_kv.enable(model, pool=pool)
+        assert not pool.is_bound and pool.num_blocks == 0
+
+
 def test_rebinding_to_other_shapes_is_refused():
     pool = bound_pool()
     pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)  # same shapes: fine
