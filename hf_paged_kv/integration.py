@@ -43,9 +43,19 @@ ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger spec
 _STATE_ATTR = "hf_paged_kv_state"
 _PREVIOUS: dict[int, str] = {}  # id(model config) -> the attention implementation before enable
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
-# (model, cache) pairs whose weights were checked in the `generate` call running on this thread
-# (None outside one): the weights do not change within a call, so one check per call is enough
-_CHECKED_IN_CALL: contextvars.ContextVar[set | None] = contextvars.ContextVar("hf_paged_kv_checked", default=None)
+
+
+@dataclass
+class _GenerateCall:
+    """The `generate` call running on this thread with a PagedCache: its model and cache (held,
+    so that no other object is taken for them) and whether the cache's turn has begun."""
+
+    model: object
+    cache: PagedCache
+    begun: bool = False
+
+
+_CALL: contextvars.ContextVar[_GenerateCall | None] = contextvars.ContextVar("hf_paged_kv_call", default=None)
 
 
 @dataclass
@@ -105,8 +115,8 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
                          tuple(name for name in _WRAPPED if name in vars(model)))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
-    if original_generate is not None:  # a model without `generate` checks at each multi-token forward
-        model.generate = _checking_generate(original_generate)
+    if original_generate is not None:  # a model without `generate` counts turns by forward width
+        model.generate = _turn_marking_generate(model, original_generate)
     return pool
 
 
@@ -163,33 +173,31 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
 _WRAPPED = ("forward", "generate")
 
 
-def _checking_generate(original):
-    """`generate`, marking its call so that each cache begins one turn per call: assisted
+def _turn_marking_generate(model, original):
+    """`generate`, marking a call given a PagedCache as one turn of its conversation: assisted
     decoding's verification forwards feed several tokens each, and would otherwise each re-take
     the fingerprint and count as a turn (`_begins_turn`)."""
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        token = _CHECKED_IN_CALL.set(set())
+        cache = kwargs.get("past_key_values")
+        token = _CALL.set(_GenerateCall(model, cache) if isinstance(cache, PagedCache) else None)
         try:
             return original(*args, **kwargs)
         finally:
-            _CHECKED_IN_CALL.reset(token)
+            _CALL.reset(token)
 
     return generate
 
 
 def _begins_turn(model, cache: PagedCache, shape: tuple) -> bool:
-    """Whether this forward begins a turn of the conversation in `cache`, which re-takes the
-    fingerprint and counts for `pin_turns`: inside a `generate` call, its first forward for this
-    cache; outside one, any forward that starts a cache or feeds more than one token (a decode
-    step checks dtype and device only)."""
-    checked = _CHECKED_IN_CALL.get()
-    if checked is None:
-        return not cache.is_initialized or shape[1] > 1
-    if (id(model), id(cache)) in checked:
-        return False
-    checked.add((id(model), id(cache)))
-    return True
+    """Whether this forward begins a turn of the conversation in `cache` (re-takes the
+    fingerprint, counts for `pin_turns`): in the `generate` call of this model given this cache,
+    its first forward; any other forward when it feeds more than one token."""
+    call = _CALL.get()
+    if call is not None and call.model is model and call.cache is cache:
+        begun, call.begun = call.begun, True
+        return not begun
+    return shape[1] > 1
 
 
 def _paged_forward(model, original):
@@ -209,8 +217,8 @@ def _paged_forward(model, original):
         shape = tuple(inputs.shape[:2])
         # each new request or turn checks the weights, so a conversation continued on changed
         # weights stops sharing its KV (PagedCache.begin_forward)
-        new_turn = _begins_turn(model, cache, shape)
-        fingerprint = current_fingerprint(model, 0.0 if new_turn else float("inf"))
+        new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
+        fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
         extras = _per_token_extras(kwargs)
         may_skip = _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:

@@ -191,3 +191,24 @@ def test_assisted_decoding_takes_the_fingerprint_once_per_call():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     hf_paged_kv.disable(model)
     assert "generate" not in vars(model) and "forward" not in vars(model)
+
+
+def test_forwards_of_another_model_inside_a_generate_call_are_checked_as_outside_one():
+    """Only the forwards of the model and cache the call was given are one turn; another
+    enabled model's multi-token forwards run from a logits processor each check the weights."""
+    model, other = make_model("llama", seed=10), make_model("llama", seed=11)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
+    hf_paged_kv.enable(other, pool=pool)
+    passes = count_weight_reads(other)
+
+    side = PagedCache()
+
+    def side_forward(input_ids, scores):  # a turn of another conversation at each step
+        other(input_ids=prompt(3, len(passes)), past_key_values=side)
+        return scores
+
+    with PagedCache() as cache:
+        model.generate(input_ids=prompt(10, 1), past_key_values=cache, max_new_tokens=4, do_sample=False,
+                       logits_processor=[side_forward])
+    side.release()
+    assert len(passes) == 4
