@@ -238,9 +238,8 @@ class PagedCache(Cache):
         sequences, plan, inherited = prefill.prepare_forward(
             pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
             allow_reuse, logical)
-        before = [] if fresh else [s.length for s in sequences]
-        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before,
-                                                            width > 1 if new_turn is None else new_turn)
+        before, turn = [] if fresh else [s.length for s in sequences], width > 1 if new_turn is None else new_turn
+        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before, turn)
         if fresh:
             self.inherited = inherited.tolist()
         return plan
@@ -251,8 +250,7 @@ class PagedCache(Cache):
         forward, self._forward = self._forward, None
         if forward is None:
             return
-        lengths_before = forward.lengths_before or [0] * len(self.sequences)
-        pin_until = self.turn_pins.turn_began(lengths_before) if forward.new_turn else None
+        pin_until = self.turn_pins.turn_began(forward.lengths_before) if forward.new_turn else None
         for b, sequence in enumerate(self.sequences):
             sequence.append(forward.real[b], forward.ids[b][forward.real[b]][forward.inherited[b] :])
         if self.reuse and self._model is not None:

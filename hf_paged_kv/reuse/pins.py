@@ -228,7 +228,8 @@ class TurnPins:
         self.pinned = False
 
     def turn_began(self, lengths: list[int]) -> list[int] | None:
-        """Record a turn; returns the row lengths to pin up to, once the first N turns are over."""
+        """Record a turn that begins at row `lengths` (none in a fresh cache); returns the row
+        lengths to pin up to, once the first N turns are over."""
         if not self.turns or self.pinned:
             return None
         self.starts += (tuple(lengths),)
