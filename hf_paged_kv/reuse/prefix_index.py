@@ -93,10 +93,6 @@ class PrefixIndex:
         now = self.policy.now()
         replacements = []
         parent = table[first - 1] if first else None
-        # each block's record names the digest of the block it continues, so that the tiers can
-        # tell leaves exactly; that is the parent's own name where the sequence inherited a block
-        # published under another namespace than the one `digests` chain in
-        parent_digest = self.metas[parent].digest if parent in self.metas else before
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
@@ -105,12 +101,17 @@ class PrefixIndex:
                 block = known
             elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
                 weight = self._revive(digest, now)
+                # the record names the block it continues, so that the tiers tell leaves exactly: the
+                # parent's own digest where the sequence inherited a block published under another
+                # namespace than the one `digests` chain in, else the chain's previous link
+                chained = digests[position - first - 1] if position > first else before
+                named = self.metas[parent].digest if parent in self.metas else chained
                 meta = self.policy.new_meta(digest, tenant, position, model, now, weight, priority, self.block_size,
-                                            parent_digest)
+                                            named)
                 self._add(block, meta, parent)
             if block in self.metas:
                 self.metas[block].priority = max(self.metas[block].priority, priority)
-            parent, parent_digest = block, self.metas[block].digest if block in self.metas else digest
+            parent = block
         return replacements
 
     def adopt(self, block: int, meta: BlockMeta, parent: int | None) -> None:

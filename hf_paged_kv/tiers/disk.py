@@ -7,14 +7,14 @@ Blocks reach the disk when they fall out of the host tier (or out of the device 
 is no host tier), or by `persist`. One safetensors file per block, named by its digest: the
 block's K and V of every layer, and string metadata (format, model fingerprint, digest, the
 parent block's digest, tenant, depth, fill, decayed access weight and wall-clock time,
-wall-clock expiry, priority) with a
-BLAKE2b checksum over the metadata and every tensor's bytes. Files are written to a temporary
-name and renamed, so a crash never leaves a half-written block under a real name. A file that
+wall-clock expiry, priority) with a BLAKE2b checksum over the metadata and every tensor's
+bytes. Files are written to a temporary name and renamed, so a crash never leaves a
+half-written block under a real name. A file that
 fails any check – its header does not parse, a field is missing or damaged, the shapes, dtype,
 model or digest differ, the checksum does not match – is ignored with a warning (never loaded,
 never fatal) and counted in `disk_rejects`; so are files of an earlier format (before
-`hf_paged_kv-block/3` they did not name their parent). Digests include the tenant, so a tenant only ever finds its own (or
-published) blocks.
+`hf_paged_kv-block/3` they did not name their parent). Digests include the tenant, so a tenant
+only ever finds its own (or published) blocks.
 
 A write that fails (permissions, a full or read-only file system) drops the block cleanly: the
 pool stays consistent, the error is warned once and counted in `disk_write_errors`.
@@ -92,8 +92,7 @@ class DiskTier:
                    for i, pair in enumerate(layers) for kind, t in zip("kv", pair)}
         expires = "" if meta.expires is None else repr(meta.expires - now + wall)
         header = {"format": FORMAT, "model": meta.model, "digest": meta.digest.hex(), "parent": meta.parent.hex(),
-                  "tenant": meta.tenant,
-                  "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(meta.weight),
+                  "tenant": meta.tenant, "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(meta.weight),
                   "written": repr(wall), "expires": expires, "priority": str(meta.priority)}
         header["checksum"] = _checksum(header, tensors)
         path = self.directory / (meta.digest.hex() + SUFFIX)
