@@ -195,6 +195,33 @@ def test_damaged_or_foreign_disk_files_are_rejected(tmp_path, damage):
     hf_paged_kv.disable(writer)
 
 
+def test_rejected_files_of_a_directory_are_reported_in_one_warning(tmp_path):
+    """Files of an earlier format or another model can number thousands: one warning names the
+    count and the reasons, every file is counted and budgeted, none is loaded."""
+    import warnings
+
+    from safetensors.torch import save_file
+
+    writer = make_model("llama", seed=64)
+    hf_paged_kv.enable(writer, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(writer, tokens(40, 11))  # five files of another model, for the reader
+    hf_paged_kv.disable(writer)
+    for i in range(3):  # an earlier format: no parent field
+        save_file({"k.0": torch.zeros(1)}, tmp_path / f"{i:064x}.kvblock", metadata={"format": "hf_paged_kv-block/2"})
+    reader = make_model("llama", seed=65)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pool = hf_paged_kv.enable(reader, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    disk = [str(w.message) for w in caught if "disk tier" in str(w.message)]
+    assert len(disk) == 1, disk
+    assert "ignoring 8 block files" in disk[0]
+    assert "5 written by another model" in disk[0] and "3 not a block file of this format" in disk[0]
+    stats = pool.stats()
+    assert stats["disk_rejects"] == 8 and stats["disk_blocks"] == 0
+    assert stats["disk_bytes_used"] == dir_bytes(tmp_path)
+    hf_paged_kv.disable(reader)
+
+
 def test_disk_budget_holds(model, tmp_path):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
     budget = 7 * sum(c[0].nbytes for c in pool.key_cache + pool.value_cache)  # about 6 block files

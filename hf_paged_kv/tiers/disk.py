@@ -12,8 +12,9 @@ bytes. Files are written to a temporary name and renamed, so a crash never leave
 half-written block under a real name. A file that
 fails any check – its header does not parse, a field is missing or damaged, the shapes, dtype,
 model or digest differ, the checksum does not match – is ignored with a warning (never loaded,
-never fatal) and counted in `disk_rejects`; so are files of an earlier format (before
-`hf_paged_kv-block/3` they did not name their parent). Digests include the tenant, so a tenant
+never fatal; one warning for all the files a directory scan rejects, grouped by reason) and
+counted in `disk_rejects`; so are files of an earlier format (before `hf_paged_kv-block/3`
+they did not name their parent). Digests include the tenant, so a tenant
 only ever finds its own (or published) blocks.
 
 A write that fails (permissions, a full or read-only file system) drops the block cleanly: the
@@ -71,14 +72,29 @@ class DiskTier:
             raise ValueError(f"disk_bytes={max_bytes} cannot hold one block file of about {file_bytes} bytes; "
                              "raise disk_bytes (or leave disk_dir unset)")
         self.directory.mkdir(parents=True, exist_ok=True)
-        for path in sorted(self.directory.glob("*" + SUFFIX)):
-            meta = self._read(path, model, tensors=False)
-            if meta is None:
-                self.unusable[path] = path.stat().st_size
-            else:
-                self.catalog[meta.digest] = (path, path.stat().st_size, meta)
-                self.contains(meta.digest)  # deletes it if expired
+        self._scan(model)
         self._enforce_budget(keep=None)
+
+    def _scan(self, model: str) -> None:
+        """Catalogue the directory's block files. Those this pool cannot use are budgeted as
+        unusable and reported in one warning, grouped by reason (a directory of an earlier
+        format or another model's files can hold thousands)."""
+        rejected: dict[str, list[str]] = {}  # reason -> file names
+        for path in sorted(self.directory.glob("*" + SUFFIX)):
+            try:
+                meta = self._parse(path, model, tensors=False)
+            except Exception as error:  # any damage at all: skip the file, never fail
+                rejected.setdefault(str(error), []).append(path.name)
+                self.unusable[path] = path.stat().st_size
+                continue
+            self.catalog[meta.digest] = (path, path.stat().st_size, meta)
+            self.contains(meta.digest)  # deletes it if expired
+        if rejected:
+            count = sum(len(names) for names in rejected.values())
+            self.counters["disk_rejects"] += count
+            reasons = "; ".join(f"{len(names)} {reason} (e.g. {names[0]})" for reason, names in rejected.items())
+            warnings.warn(f"hf_paged_kv disk tier: ignoring {count} block files in {self.directory}: "
+                          f"{reasons}; they stay in the byte budget and go first when it is exceeded", stacklevel=5)
 
     # ---------------------------------------------------------------- write
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -138,7 +154,7 @@ class DiskTier:
         if entry is None:
             return None
         path, size, meta = entry
-        loaded = self._read(path, model, tensors=True, digest=digest)
+        loaded = self._read(path, model, digest)
         if loaded is None:
             del self.catalog[digest]
             self.unusable[path] = size
@@ -150,31 +166,35 @@ class DiskTier:
         self.counters["disk_hits"] += 1
         return meta.as_of(self.policy.now(), self.policy.half_life)
 
-    def _read(self, path: Path, model: str, tensors: bool, digest: bytes | None = None):
-        """The file's metadata (and tensors), or None after a warning when any check fails."""
+    def _read(self, path: Path, model: str, digest: bytes):
+        """The file's metadata and tensors, or None after a warning when any check fails."""
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                header = f.metadata() or {}
-                if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
-                    raise ValueError("not a block file of this format (fields missing or damaged)")
-                if header["model"] != model:
-                    raise ValueError("written by another model (fingerprint differs)")
-                if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
-                    raise ValueError("digest in the header does not match the file name")
-                meta = self._meta(header)
-                if not tensors:
-                    return meta
-                data = {name: f.get_tensor(name) for name in f.keys()}
-            expected = {f"{kind}.{i}": shape for i, shape in enumerate(self.block_shapes) for kind in "kv"}
-            if {n: tuple(t.shape) for n, t in data.items()} != expected or any(t.dtype != self.dtype for t in data.values()):
-                raise ValueError("block shapes or dtype differ from this pool")
-            if header.get("checksum") != _checksum({k: v for k, v in header.items() if k != "checksum"}, data):
-                raise ValueError("checksum mismatch (corrupted or truncated)")
-            return meta, data
+            return self._parse(path, model, tensors=True, digest=digest)
         except Exception as error:  # any damage at all: skip the file, never fail the request
-            warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=3)
+            warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=4)
             self.counters["disk_rejects"] += 1
             return None
+
+    def _parse(self, path: Path, model: str, tensors: bool, digest: bytes | None = None):
+        """The file's metadata (and tensors); raises on any failed check."""
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            header = f.metadata() or {}
+            if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
+                raise ValueError("not a block file of this format (fields missing or damaged)")
+            if header["model"] != model:
+                raise ValueError("written by another model (fingerprint differs)")
+            if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
+                raise ValueError("digest in the header does not match the file name")
+            meta = self._meta(header)
+            if not tensors:
+                return meta
+            data = {name: f.get_tensor(name) for name in f.keys()}
+        expected = {f"{kind}.{i}": shape for i, shape in enumerate(self.block_shapes) for kind in "kv"}
+        if {n: tuple(t.shape) for n, t in data.items()} != expected or any(t.dtype != self.dtype for t in data.values()):
+            raise ValueError("block shapes or dtype differ from this pool")
+        if header.get("checksum") != _checksum({k: v for k, v in header.items() if k != "checksum"}, data):
+            raise ValueError("checksum mismatch (corrupted or truncated)")
+        return meta, data
 
     def _meta(self, header: dict) -> BlockMeta:
         """The block record of a file's header, its wall-clock times moved to the policy's clock;
