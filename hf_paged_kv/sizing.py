@@ -4,6 +4,7 @@ is allocated, so an impossible size is a clear error instead of a raw allocator 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -83,11 +84,60 @@ def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype, hos
 
 
 def available_bytes(device: torch.device) -> int:
+    """Free bytes on `device`; on the host, the tighter of the machine's available memory and
+    what the process's memory cgroup still allows (a container sees the machine's meminfo)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
     try:
         with open("/proc/meminfo") as f:
             fields = dict(line.split(":", 1) for line in f)
-        return int(fields["MemAvailable"].split()[0]) * 1024
+        machine = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        machine = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    allowed = cgroup_headroom()
+    return machine if allowed is None else min(machine, allowed)
+
+
+# per cgroup version: (limit file, usage file, memory.stat key of reclaimable file cache)
+_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+
+
+def cgroup_headroom(proc_file: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes the memory cgroups of this process still allow, the tightest of its cgroup and
+    their ancestors (cgroup v1 or v2): the limit less the usage that cannot be reclaimed (usage
+    less inactive file cache, as container runtimes count a working set). None when no level
+    sets a limit, or without cgroups."""
+    try:
+        lines = Path(proc_file).read_text().splitlines()
+    except OSError:
+        return None
+    headrooms = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            version, base = 2, Path(root)
+        elif "memory" in controllers.split(","):
+            version, base = 1, Path(root) / "memory"
+        else:
+            continue
+        parts = [p for p in path.split("/") if p]
+        levels = {base.joinpath(*parts[:depth]) for depth in range(len(parts) + 1)}  # from the mount to the cgroup
+        headrooms += [h for h in (_headroom(level, *_CGROUP_FILES[version]) for level in levels) if h is not None]
+    return min(headrooms, default=None)
+
+
+def _headroom(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+    try:
+        limit = (directory / limit_file).read_text().strip()
+        usage = int((directory / usage_file).read_text())
+    except (OSError, ValueError):
+        return None
+    if limit == "max" or int(limit) >= 1 << 60:  # v2 "max", v1 a page-rounded 2^63: no limit
+        return None
+    try:
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
+        reclaimable = int(stat.get(inactive_key, 0))
+    except (OSError, ValueError):
+        reclaimable = 0
+    return max(int(limit) - (usage - reclaimable), 0)

@@ -15,6 +15,7 @@ import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, PagedKVError, PoolExhaustedError
 from hf_paged_kv.allocator import BlockAllocator
 from hf_paged_kv.pool import HUGE_PAGE, LayerSpec, block_tensors
+from hf_paged_kv import sizing
 from hf_paged_kv.sizing import DEFAULT_CPU_BYTES
 
 CPU = torch.device("cpu")
@@ -62,6 +63,37 @@ def test_a_host_tier_host_memory_cannot_hold_is_refused_before_allocating():
     with pytest.raises(PagedKVError, match=r"host tier of 10000000000000 blocks .* needs [\d,]+ bytes of host memory"):
         pool.bind([LayerSpec(2, 8, CPU)] * 2, torch.float32)
     assert not pool.is_bound
+
+
+def fake_cgroups(tmp_path, lines: str, files: dict[str, str]):
+    """A /proc/self/cgroup of `lines` and a cgroup mount holding `files` (relative path -> text)."""
+    tmp_path.mkdir(exist_ok=True)
+    (tmp_path / "cgroup").write_text(lines)
+    for name, text in files.items():
+        (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fs" / name).write_text(text)
+    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+
+
+def test_cgroup_v2_headroom_is_the_tightest_level_less_reclaimable_cache(tmp_path):
+    gib = 1 << 30
+    proc, root = fake_cgroups(tmp_path, "0::/jobs/worker\n", {
+        "jobs/memory.max": str(8 * gib), "jobs/memory.current": str(7 * gib),
+        "jobs/memory.stat": f"anon {6 * gib}\ninactive_file {gib}\n",
+        "jobs/worker/memory.max": "max", "jobs/worker/memory.current": str(5 * gib)})
+    assert sizing.cgroup_headroom(proc, root) == 8 * gib - (7 * gib - gib)  # the parent's limit binds
+
+
+def test_cgroup_v1_headroom_and_no_limit(tmp_path):
+    gib = 1 << 30
+    proc, root = fake_cgroups(tmp_path, "4:memory:/pod\n3:cpu:/pod\n", {
+        "memory/pod/memory.limit_in_bytes": str(4 * gib), "memory/pod/memory.usage_in_bytes": str(3 * gib),
+        "memory/pod/memory.stat": f"total_inactive_file {gib // 2}\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": str(gib)})
+    assert sizing.cgroup_headroom(proc, root) == 4 * gib - (3 * gib - gib // 2)
+    unlimited, _ = fake_cgroups(tmp_path / "x", "4:memory:/\n", {})
+    assert sizing.cgroup_headroom(unlimited, root) is None  # the mount's own level sets no limit
+    assert sizing.cgroup_headroom(str(tmp_path / "missing"), root) is None  # no cgroups at all
 
 
 def test_a_failed_bind_leaves_the_pool_unbound(tmp_path):
