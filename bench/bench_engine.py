@@ -600,11 +600,26 @@ def floor_schedules(tokens: int, outputs: list[int], pack: int) -> dict[str, lis
     }
 
 
-def compute_floor(model, reqs: list[Req], outputs: list[int], pack: int) -> dict[str, float]:
-    """Seconds the model alone needs for each of `floor_schedules` (positions restarting per
-    sequence, logits only for the output tokens; no scheduling, no cache writes, no sampling)."""
-    schedules = floor_schedules(unique_prompt_tokens(reqs) + sum(outputs), outputs, pack)
-    return {name: model_alone(model, reqs, sum(outputs), forwards) for name, forwards in schedules.items()}
+def model_alone_timings(model, reqs: list[Req], output_tokens: int, jobs: dict[str, list[tuple[int, int]]]
+                        ) -> dict[str, float]:
+    """Median seconds of `model_alone` for each job (`name -> forwards`), timed where the engine
+    runs its steps: on a thread of its own, started with the calling thread's idle OpenMP workers
+    released (see `hf_paged_kv.engine.openmp`; the same forwards timed on the client thread came
+    out about 10% apart). Each job runs twice, the jobs in one order and then the reverse, so
+    that no side of a ratio is always timed first or last."""
+    times: dict[str, list[float]] = {name: [] for name in jobs}
+
+    def run():
+        for order in (list(jobs), list(jobs)[::-1]):
+            for name in order:
+                times[name].append(model_alone(model, reqs, output_tokens, jobs[name]))
+        openmp.release_workers()
+
+    openmp.release_workers()
+    thread = threading.Thread(target=run, name="model-alone")
+    thread.start()
+    thread.join()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def model_alone(model, reqs: list[Req], output_tokens: int, forwards: list[tuple[int, int]]) -> float:
@@ -730,10 +745,13 @@ def main() -> int:
         outputs = [len(t) for t in reference if t is not None]
         output_tokens = sum(outputs)
         note(f"run {round_ + 1}/{args.repeats}: compute floors, and the model alone on the engine's forwards")
-        floors.append(compute_floor(plain, base, outputs, size["batch_tokens"]))
+        schedules = floor_schedules(unique_prompt_tokens(base) + output_tokens, outputs, size["batch_tokens"])
+        jobs = {("floor", name): forwards for name, forwards in schedules.items()}
+        jobs |= {("engine", rate): results[rate]["engine"][-1].extra["forwards"] for rate in rates}
+        timed = model_alone_timings(plain, base, output_tokens, jobs)
+        floors.append({name: timed["floor", name] for name in schedules})
         for rate in rates:
-            run = results[rate]["engine"][-1]
-            run.extra["model_alone"] = model_alone(plain, base, output_tokens, run.extra["forwards"])
+            results[rate]["engine"][-1].extra["model_alone"] = timed["engine", rate]
 
     checks = Checks()
     checks.expect(all(t is not None for t in reference), "sequential generate failed a request: no reference")
@@ -826,7 +844,7 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
               f"Compute floor: {floor:.2f} s = the model alone (never enabled, SDPA) on the "
               f"{unique_prompt_tokens(base)} unique prompt tokens and the {output_tokens} output tokens in "
               f"{len(shapes['even'])} forwards of at most {size['batch_tokens']} tokens (positions restarting per "
-              "sequence, logits only for the output tokens), measured once per round after it. "
+              "sequence, logits only for the output tokens). "
               f"{len(shapes['even'])} forwards is the fewest any schedule can use: no forward holds more than "
               f"{size['batch_tokens']} tokens, and a request with L output tokens needs L forwards, since each "
               f"token after its first is fed back in the next one (the longest output here is {max(outputs)} "
@@ -837,11 +855,15 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
               "earlier runs. The makespan ratio at the lower rates is bounded by the arrivals "
               "(the last request arrives late), the step-time ratio is not. The step-time ratio splits in two: the "
               "model alone replaying the engine's own forwards (each forward's token count and kept logits, "
-              "recorded by a forward pre-hook; no cache, SDPA over the forward's own tokens), measured after the "
-              "floor for each round's engine run, against the floor: what running more, smaller forwards costs "
-              "(a decode step feeds one token per running sequence, and the pool bounds how many run); and the "
-              "engine's time in steps against that replay: attention over cached keys, cache writes, planning and "
-              "sampling."]
+              "recorded by a forward pre-hook; no cache, SDPA over the forward's own tokens) of each round's engine "
+              "runs against the floor: what running more, smaller forwards costs (a decode step feeds one token "
+              "per running sequence, and the pool bounds how many run); and the engine's time in steps against "
+              "that replay: attention over cached keys, cache writes, planning and sampling. The floors and the "
+              "replays are timed after each round, where the engine runs its steps: on a thread of their own "
+              "started with the client thread's OpenMP workers released; each twice, all of them in one order "
+              "and then the reverse, median per round, then median over the rounds (until 2026-12-02 they were "
+              "timed once per round on the client thread, where the same forwards ran about 10% apart from the "
+              "engine's thread; the schedule's ratio of the run of 2026-12-02 came out at 0.90x)."]
 
     ceiling = concurrency_ceiling(base, size["num_blocks"], bs)
     rows = []
