@@ -4,6 +4,7 @@ is allocated, so an impossible size is a clear error instead of a raw allocator 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -63,9 +64,9 @@ def choose_num_blocks(options: dict, layers, block_size: int, dtype: torch.dtype
 def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype, host_blocks: int | None = None) -> None:
     """Refuse a pool that a device cannot hold, or a host tier that host memory cannot hold
     beside the pool's blocks there, naming the bytes needed and available."""
-    cpu = torch.device("cpu")
-    for device in {s.device for s in layers}:
-        needed = num_blocks * block_bytes([s for s in layers if s.device == device], block_size, dtype)
+    pool_bytes = {device: num_blocks * block_bytes([s for s in layers if s.device == device], block_size, dtype)
+                  for device in {s.device for s in layers}}
+    for device, needed in pool_bytes.items():
         available = available_bytes(device)
         if needed > available:
             raise PagedKVError(
@@ -74,8 +75,9 @@ def check_fits(layers, num_blocks: int, block_size: int, dtype: torch.dtype, hos
                 "memory_fraction"
             )
     if host_blocks:
-        on_cpu = num_blocks * block_bytes([s for s in layers if s.device == cpu], block_size, dtype)
-        needed, available = host_blocks * block_bytes(layers, block_size, dtype), available_bytes(cpu) - on_cpu
+        cpu = torch.device("cpu")
+        needed = host_blocks * block_bytes(layers, block_size, dtype)
+        available = available_bytes(cpu) - pool_bytes.get(cpu, 0)
         if needed > available:
             raise PagedKVError(
                 f"a host tier of {host_blocks} blocks of {block_size} tokens needs {needed:,} bytes of host memory, "
@@ -98,46 +100,79 @@ def available_bytes(device: torch.device) -> int:
     return machine if allowed is None else min(machine, allowed)
 
 
-# per cgroup version: (limit file, usage file, memory.stat key of reclaimable file cache)
-_CGROUP_FILES = {2: ("memory.max", "memory.current", "inactive_file"),
-                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")}
+# per cgroup version: (limit file, usage file, memory.stat keys of the file cache it can reclaim)
+_CGROUP_FILES = {2: ("memory.max", "memory.current", ("active_file", "inactive_file")),
+                 1: ("memory.limit_in_bytes", "memory.usage_in_bytes", ("total_active_file", "total_inactive_file"))}
 
 
-def cgroup_headroom(proc_file: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
-    """Bytes the memory cgroups of this process still allow, the tightest of its cgroup and
-    their ancestors (cgroup v1 or v2): the limit less the usage that cannot be reclaimed (usage
-    less inactive file cache, as container runtimes count a working set). None when no level
-    sets a limit, or without cgroups."""
+def cgroup_headroom(cgroups: str = "/proc/self/cgroup", mounts: str = "/proc/self/mountinfo") -> int | None:
+    """Bytes the memory cgroups of this process still allow: the tightest of its own cgroup and
+    the ancestors visible under the cgroup mount (v1 or v2, found in `mounts`), each its limit
+    less the usage that is not file cache (the kernel reclaims file cache before it refuses
+    memory, as MemAvailable counts it). None when no level sets a limit, or without cgroups."""
     try:
-        lines = Path(proc_file).read_text().splitlines()
-    except OSError:
+        memberships = _memberships(Path(cgroups).read_text())
+        mount_lines = Path(mounts).read_text().splitlines()
+    except (OSError, ValueError):  # no such files, or not text
         return None
     headrooms = []
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            version, base = 2, Path(root)
-        elif "memory" in controllers.split(","):
-            version, base = 1, Path(root) / "memory"
-        else:
+    for version, root, mount_point in _memory_mounts(mount_lines):
+        path = memberships.get(version)
+        if path is None:
             continue
-        parts = [p for p in path.split("/") if p]
-        levels = {base.joinpath(*parts[:depth]) for depth in range(len(parts) + 1)}  # from the mount to the cgroup
-        headrooms += [h for h in (_headroom(level, *_CGROUP_FILES[version]) for level in levels) if h is not None]
+        inside = path[len(root):] if root == "/" or path == root or path.startswith(root + "/") else ""
+        parts = [p for p in inside.split("/") if p]  # only the mount point where the path lies outside it
+        for depth in range(len(parts) + 1):
+            headroom = _headroom(Path(mount_point).joinpath(*parts[:depth]), *_CGROUP_FILES[version])
+            if headroom is not None:
+                headrooms.append(headroom)
     return min(headrooms, default=None)
 
 
-def _headroom(directory: Path, limit_file: str, usage_file: str, inactive_key: str) -> int | None:
+def _memberships(text: str) -> dict[int, str]:
+    """`{version: cgroup path}` of the memory controller, from /proc/self/cgroup."""
+    found = {}
+    for line in text.splitlines():
+        fields = line.split(":", 2)
+        if len(fields) != 3:
+            continue
+        hierarchy, controllers, path = fields
+        if hierarchy == "0" and controllers == "":
+            found[2] = path
+        elif "memory" in controllers.split(","):
+            found[1] = path
+    return found
+
+
+def _memory_mounts(lines: list[str]):
+    """`(version, cgroup path of the mount's root, mount point)` of each memory cgroup mount in
+    /proc/self/mountinfo lines (fields after " - ": file system type, source, super options)."""
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields or len(fields) < 5:
+            continue
+        tail = fields[fields.index("-") + 1:] + ["", "", ""]
+        kind, options = tail[0], tail[2]
+        root, mount_point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), f) for f in fields[3:5])
+        if kind == "cgroup2":
+            yield 2, root.rstrip("/") or "/", mount_point
+        elif kind == "cgroup" and "memory" in options.split(","):
+            yield 1, root.rstrip("/") or "/", mount_point
+
+
+def _headroom(directory: Path, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> int | None:
     try:
-        limit = (directory / limit_file).read_text().strip()
-        usage = int((directory / usage_file).read_text())
+        limit_text = (directory / limit_file).read_text().strip()
+        if limit_text == "max":
+            return None
+        limit, usage = int(limit_text), int((directory / usage_file).read_text())
     except (OSError, ValueError):
         return None
-    if limit == "max" or int(limit) >= 1 << 60:  # v2 "max", v1 a page-rounded 2^63: no limit
+    if limit >= 1 << 60:  # v1 writes "no limit" as a page-rounded 2^63
         return None
     try:
-        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
-        reclaimable = int(stat.get(inactive_key, 0))
+        stat = dict(line.split(None, 1) for line in (directory / "memory.stat").read_text().splitlines())
+        cache = sum(int(stat.get(key, 0)) for key in cache_keys)
     except (OSError, ValueError):
-        reclaimable = 0
-    return max(int(limit) - (usage - reclaimable), 0)
+        cache = 0
+    return max(limit - (usage - cache), 0)

@@ -65,35 +65,49 @@ def test_a_host_tier_host_memory_cannot_hold_is_refused_before_allocating():
     assert not pool.is_bound
 
 
-def fake_cgroups(tmp_path, lines: str, files: dict[str, str]):
-    """A /proc/self/cgroup of `lines` and a cgroup mount holding `files` (relative path -> text)."""
+def fake_cgroups(tmp_path, membership: str, mount: str, files: dict[str, str]):
+    """A /proc/self/cgroup line `membership`, a mountinfo line `mount` whose mount point is the
+    directory "fs" here, and that mount holding `files` (path under the mount point -> text)."""
     tmp_path.mkdir(exist_ok=True)
-    (tmp_path / "cgroup").write_text(lines)
+    (tmp_path / "fs").mkdir(exist_ok=True)
     for name, text in files.items():
         (tmp_path / "fs" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "fs" / name).write_text(text)
-    return str(tmp_path / "cgroup"), str(tmp_path / "fs")
+    (tmp_path / "cgroup").write_text(membership + "\n")
+    (tmp_path / "mountinfo").write_text("30 23 0:27 / /proc rw - proc proc rw\n"
+                                        + mount.replace("MOUNT", str(tmp_path / "fs")) + "\n")
+    return str(tmp_path / "cgroup"), str(tmp_path / "mountinfo")
 
 
-def test_cgroup_v2_headroom_is_the_tightest_level_less_reclaimable_cache(tmp_path):
-    gib = 1 << 30
-    proc, root = fake_cgroups(tmp_path, "0::/jobs/worker\n", {
-        "jobs/memory.max": str(8 * gib), "jobs/memory.current": str(7 * gib),
-        "jobs/memory.stat": f"anon {6 * gib}\ninactive_file {gib}\n",
-        "jobs/worker/memory.max": "max", "jobs/worker/memory.current": str(5 * gib)})
-    assert sizing.cgroup_headroom(proc, root) == 8 * gib - (7 * gib - gib)  # the parent's limit binds
+GIB = 1 << 30
 
 
-def test_cgroup_v1_headroom_and_no_limit(tmp_path):
-    gib = 1 << 30
-    proc, root = fake_cgroups(tmp_path, "4:memory:/pod\n3:cpu:/pod\n", {
-        "memory/pod/memory.limit_in_bytes": str(4 * gib), "memory/pod/memory.usage_in_bytes": str(3 * gib),
-        "memory/pod/memory.stat": f"total_inactive_file {gib // 2}\n",
-        "memory/memory.limit_in_bytes": "9223372036854771712", "memory/memory.usage_in_bytes": str(gib)})
-    assert sizing.cgroup_headroom(proc, root) == 4 * gib - (3 * gib - gib // 2)
-    unlimited, _ = fake_cgroups(tmp_path / "x", "4:memory:/\n", {})
-    assert sizing.cgroup_headroom(unlimited, root) is None  # the mount's own level sets no limit
-    assert sizing.cgroup_headroom(str(tmp_path / "missing"), root) is None  # no cgroups at all
+def test_cgroup_v2_headroom_is_the_tightest_level_less_file_cache(tmp_path):
+    files = {"jobs/memory.max": str(8 * GIB), "jobs/memory.current": str(7 * GIB),
+             "jobs/memory.stat": f"anon {5 * GIB}\nactive_file {GIB // 2}\ninactive_file {GIB}\n",
+             "jobs/worker/memory.max": "max", "jobs/worker/memory.current": str(5 * GIB)}
+    paths = fake_cgroups(tmp_path, "0::/jobs/worker", "40 31 0:38 / MOUNT rw - cgroup2 cgroup2 rw", files)
+    assert sizing.cgroup_headroom(*paths) == 8 * GIB - (7 * GIB - GIB - GIB // 2)  # the parent's limit binds
+
+
+def test_cgroup_v1_headroom_relative_to_the_mount_root(tmp_path):
+    """A container sees its own cgroup at the mount point (the mount's root is its cgroup path)."""
+    files = {"memory.limit_in_bytes": str(4 * GIB), "memory.usage_in_bytes": str(3 * GIB),
+             "memory.stat": f"total_inactive_file {GIB // 2}\ntotal_active_file 0\n",
+             "sub/memory.limit_in_bytes": "9223372036854771712", "sub/memory.usage_in_bytes": str(GIB)}
+    mount = "35 31 0:32 /docker/abc MOUNT rw - cgroup cgroup rw,memory"
+    paths = fake_cgroups(tmp_path, "4:memory:/docker/abc/sub\n3:cpu:/docker/abc", mount, files)
+    assert sizing.cgroup_headroom(*paths) == 4 * GIB - (3 * GIB - GIB // 2)
+
+
+def test_no_cgroup_limit_or_no_cgroups_leaves_host_memory_alone(tmp_path):
+    unlimited = fake_cgroups(tmp_path / "a", "4:memory:/", "35 31 0:32 / MOUNT rw - cgroup cgroup rw,memory",
+                             {"memory.limit_in_bytes": "9223372036854771712", "memory.usage_in_bytes": str(GIB)})
+    assert sizing.cgroup_headroom(*unlimited) is None
+    garbled = fake_cgroups(tmp_path / "b", "garbage\n0::/x", "garbage - cgroup2\n40 31 0:38 / MOUNT rw - cgroup2 c rw",
+                           {"x/memory.max": "lots", "x/memory.current": "1"})
+    assert sizing.cgroup_headroom(*garbled) is None  # malformed lines and files are skipped, never fatal
+    assert sizing.cgroup_headroom(str(tmp_path / "missing"), str(tmp_path / "missing")) is None
 
 
 def test_a_failed_bind_leaves_the_pool_unbound(tmp_path):
