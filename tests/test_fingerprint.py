@@ -140,7 +140,7 @@ def test_a_conversation_continued_on_changed_weights_shares_nothing():
 
 
 # ---------------------------------------------------------------- restarts
-@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")  # it names each file of other weights it ignores
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")  # it names the files of other weights it ignores
 def test_disk_kv_of_other_weights_is_not_loaded_after_a_restart(tmp_path):
     system = prompt(40, 7)
     first = make_model("llama", seed=61)

@@ -54,6 +54,11 @@ SUFFIX = ".kvblock"
 FIELDS = ("format", "model", "digest", "parent", "tenant", "depth", "fill", "weight", "written", "priority")
 
 
+class RejectedFile(ValueError):
+    """A block file failed one of the checks; the message names which (the same for every file
+    that fails it, so a directory scan groups files by it)."""
+
+
 class DiskTier:
     """A directory of block files with an in-memory catalogue. Calls happen under the pool's lock."""
 
@@ -84,7 +89,8 @@ class DiskTier:
             try:
                 meta = self._parse(path, model, tensors=False)
             except Exception as error:  # any damage at all: skip the file, never fail
-                rejected.setdefault(str(error), []).append(path.name)
+                reason = str(error) if isinstance(error, RejectedFile) else f"damaged ({type(error).__name__})"
+                rejected.setdefault(reason, []).append(path.name)
                 self.unusable[path] = path.stat().st_size
                 continue
             self.catalog[meta.digest] = (path, path.stat().st_size, meta)
@@ -94,7 +100,7 @@ class DiskTier:
             self.counters["disk_rejects"] += count
             reasons = "; ".join(f"{len(names)} {reason} (e.g. {names[0]})" for reason, names in rejected.items())
             warnings.warn(f"hf_paged_kv disk tier: ignoring {count} block files in {self.directory}: "
-                          f"{reasons}; they stay in the byte budget and go first when it is exceeded", stacklevel=5)
+                          f"{reasons}; they stay in the byte budget and go first when it is exceeded", stacklevel=3)
 
     # ---------------------------------------------------------------- write
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -171,7 +177,7 @@ class DiskTier:
         try:
             return self._parse(path, model, tensors=True, digest=digest)
         except Exception as error:  # any damage at all: skip the file, never fail the request
-            warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=4)
+            warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=3)
             self.counters["disk_rejects"] += 1
             return None
 
@@ -180,20 +186,20 @@ class DiskTier:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             header = f.metadata() or {}
             if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
-                raise ValueError("not a block file of this format (fields missing or damaged)")
+                raise RejectedFile("not a block file of this format (fields missing or damaged)")
             if header["model"] != model:
-                raise ValueError("written by another model (fingerprint differs)")
+                raise RejectedFile("written by another model (fingerprint differs)")
             if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
-                raise ValueError("digest in the header does not match the file name")
+                raise RejectedFile("digest in the header does not match the file name")
             meta = self._meta(header)
             if not tensors:
                 return meta
             data = {name: f.get_tensor(name) for name in f.keys()}
         expected = {f"{kind}.{i}": shape for i, shape in enumerate(self.block_shapes) for kind in "kv"}
         if {n: tuple(t.shape) for n, t in data.items()} != expected or any(t.dtype != self.dtype for t in data.values()):
-            raise ValueError("block shapes or dtype differ from this pool")
+            raise RejectedFile("block shapes or dtype differ from this pool")
         if header.get("checksum") != _checksum({k: v for k, v in header.items() if k != "checksum"}, data):
-            raise ValueError("checksum mismatch (corrupted or truncated)")
+            raise RejectedFile("checksum mismatch (corrupted or truncated)")
         return meta, data
 
     def _meta(self, header: dict) -> BlockMeta:
