@@ -600,25 +600,32 @@ def floor_schedules(tokens: int, outputs: list[int], pack: int) -> dict[str, lis
     }
 
 
-def model_alone_timings(model, reqs: list[Req], output_tokens: int, jobs: dict[str, list[tuple[int, int]]]
-                        ) -> dict[str, float]:
+def model_alone_timings(model, reqs: list[Req], output_tokens: int, jobs: dict[tuple, list[tuple[int, int]]]
+                        ) -> dict[tuple, float]:
     """Median seconds of `model_alone` for each job (`name -> forwards`), timed where the engine
     runs its steps: on a thread of its own, started with the calling thread's idle OpenMP workers
     released (see `hf_paged_kv.engine.openmp`; the same forwards timed on the client thread came
     out about 10% apart). Each job runs twice, the jobs in one order and then the reverse, so
     that no side of a ratio is always timed first or last."""
-    times: dict[str, list[float]] = {name: [] for name in jobs}
+    times: dict[tuple, list[float]] = {name: [] for name in jobs}
+    failure: list[BaseException] = []
 
     def run():
-        for order in (list(jobs), list(jobs)[::-1]):
-            for name in order:
-                times[name].append(model_alone(model, reqs, output_tokens, jobs[name]))
-        openmp.release_workers()
+        try:
+            for order in (list(jobs), list(jobs)[::-1]):
+                for name in order:
+                    times[name].append(model_alone(model, reqs, output_tokens, jobs[name]))
+        except BaseException as error:  # noqa: BLE001 - raised again on the calling thread
+            failure.append(error)
+        finally:
+            openmp.release_workers()
 
     openmp.release_workers()
     thread = threading.Thread(target=run, name="model-alone")
     thread.start()
     thread.join()
+    if failure:
+        raise failure[0]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
