@@ -110,6 +110,19 @@ def test_no_cgroup_limit_or_no_cgroups_leaves_host_memory_alone(tmp_path):
     assert sizing.cgroup_headroom(str(tmp_path / "missing"), str(tmp_path / "missing")) is None
 
 
+def test_a_cgroup_limit_bounds_host_sizing(monkeypatch):
+    """In a container the machine's meminfo overstates what the process may use: memory_fraction
+    and the host-tier check take the cgroup's headroom when it is less."""
+    spec = [LayerSpec(2, 8, CPU)] * 2
+    per_block = 2 * 2 * 16 * 2 * 8 * 4
+    monkeypatch.setattr(sizing, "cgroup_headroom", lambda: 100 * per_block)
+    pool = KVPool(memory_fraction=0.5)
+    pool.bind(spec, torch.float32)
+    assert pool.num_blocks == 50
+    with pytest.raises(PagedKVError, match=r"host tier of 200 blocks .* but only [\d,]+ are available"):
+        KVPool(num_blocks=8, host_blocks=200).bind(spec, torch.float32)
+
+
 def test_a_failed_bind_leaves_the_pool_unbound(tmp_path):
     """A tier that cannot be built fails the bind before anything is assigned: enabling again
     fails the same way instead of running on half a pool."""
