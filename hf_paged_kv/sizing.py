@@ -154,10 +154,11 @@ def _memory_mounts(lines: list[str]):
         tail = fields[fields.index("-") + 1:] + ["", "", ""]
         kind, options = tail[0], tail[2]
         root, mount_point = (re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), f) for f in fields[3:5])
+        root = root.rstrip("/") or "/"
         if kind == "cgroup2":
-            yield 2, root.rstrip("/") or "/", mount_point
+            yield 2, root, mount_point
         elif kind == "cgroup" and "memory" in options.split(","):
-            yield 1, root.rstrip("/") or "/", mount_point
+            yield 1, root, mount_point
 
 
 def _headroom(directory: Path, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> int | None:
