@@ -139,6 +139,11 @@ class BlockAllocator:
         """Cached blocks nobody references (what eviction could free)."""
         return int(np.count_nonzero(self.cached & (self.refcount == 0)))
 
+    def held_alone(self, blocks) -> int:
+        """How many of `blocks` have one reference (no other sequence, pin or semantic entry holds
+        them): what their one holder's release frees or leaves evictable."""
+        return int(np.count_nonzero(self.refcount[np.asarray(blocks, dtype=np.int64)] == 1))
+
     def in_use(self) -> int:
         return int(np.count_nonzero(self.refcount > 0))
 

@@ -370,18 +370,20 @@ def test_per_token_signal_is_each_finished_requests_mean_gap():
     hf_paged_kv.disable(model)
 
 
-def test_the_controller_gives_admission_its_ttft_target_unless_one_is_set():
+def test_the_controller_gives_admission_its_targets_unless_they_are_set():
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=16, block_size=8)
     controlled = Engine(model, pool=pool, slo=SLO(ttft=0.8, per_token=0.1))
-    assert controlled.limits.ttft_target == 0.8
+    assert (controlled.limits.ttft_target, controlled.limits.per_token_target) == (0.8, 0.1)
     assert controlled.stats()["controller"]["ttft_target"] == 0.8
-    assert Engine(model, pool=pool, controller=False, slo=SLO(ttft=0.8)).limits.ttft_target is None
-    given = Engine(model, pool=pool, slo=SLO(ttft=0.8), limits=Limits(ttft_target=2.0))
-    assert given.limits.ttft_target == 2.0
+    assert controlled.stats()["controller"]["per_token_target"] == 0.1
+    uncontrolled = Engine(model, pool=pool, controller=False, slo=SLO(ttft=0.8)).limits
+    assert uncontrolled.ttft_target is None and uncontrolled.per_token_target is None
+    given = Engine(model, pool=pool, slo=SLO(ttft=0.8), limits=Limits(ttft_target=2.0, per_token_target=0.5))
+    assert (given.limits.ttft_target, given.limits.per_token_target) == (2.0, 0.5)
     shared = Limits()  # one Limits for two engines: the controlled one must not move the other's
     Engine(model, pool=pool, limits=shared)
-    assert shared.ttft_target is None
+    assert shared.ttft_target is None and shared.per_token_target is None
     assert Engine(model, pool=pool, limits=shared, controller=False).limits.ttft_target is None
     hf_paged_kv.disable(model)
 

@@ -131,6 +131,7 @@ def test_bad_pool_arguments(kwargs, message):
         (dict(watermark=1.5), r"Limits.watermark is a fraction in \[0, 1\]"),
         (dict(growth_ratio_min=-0.1), r"Limits.growth_ratio_min is a fraction"),
         (dict(ttft_target=0.0), r"Limits.ttft_target must be > 0 seconds"),
+        (dict(per_token_target=-1.0), r"Limits.per_token_target must be > 0 seconds"),
     ],
 )
 def test_bad_engine_limits(kwargs, message):

@@ -1,16 +1,15 @@
-"""Admitting requests into the pool, and sending them back out (preemption).
+"""Admitting requests into the pool.
 
 Admission inherits the request's longest cached prefix (device blocks, or blocks promoted from
 the host or disk tier), checks the scheduler's memory rule, allocates the first chunk and records
 which blocks the request will compute, so that requests sharing that prefix wait and inherit it.
-Preemption keeps the victim's full blocks cached (they are indexed as soon as they fill) and
-either swaps its partial last block to host memory or lets it be recomputed, whichever the
-measured costs say is cheaper; a resumed request gets exactly the KV it had.
+A preempted request coming back gets its swapped partial block back (`preemption`). With both
+latency targets and a host tier, a new request that memory turns away while it can still meet
+its first-token target has running decodes with slack swapped out for it (`yielding`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 
@@ -20,10 +19,9 @@ from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from ..sequence import Sequence
 from .costs import StepCosts
+from .preemption import Preemption
 from .request import Request
 from .scheduler import Scheduler
-
-log = logging.getLogger("hf_paged_kv.engine")
 
 # how long (in time-to-first-token targets) a request that can no longer meet its target yields
 # to those that still can, before it takes its turn again: a bound on how long triage delays it
@@ -39,8 +37,8 @@ class Admission:
         self.pool, self.scheduler = pool, scheduler
         self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
         self.costs = StepCosts()
+        self.preemption = Preemption(pool, scheduler, self.costs)
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
-        self.copy_seconds_per_block = 0.0
         self.digests: dict[int, tuple[tuple, list]] = {}  # request id -> (what it hashed, its digest pairs)
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
         self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
@@ -80,17 +78,22 @@ class Admission:
             if self._never_fits(request):
                 self.on_impossible(request)
                 continue
-            delays = target is not None and budget * per_token > PARTIAL_DELAY * target
-            count = self._try(request, budget, whole=ends_prompts and delays)
+            whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
+            count = self._try(request, budget, whole)
+            if count is None and self._make_room(request, metrics):
+                count = self._try(request, budget)  # now, or its room goes back to those that made it
             if count == DEFERRED:
                 break
             if count is None:
+                if request.yielded:
+                    continue  # a decode that made room for a first token waits on its slack, holding no one back
                 blocked = blocked or request
                 if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
                     break
                 continue
             self.scheduler.waiting.remove(request)
             self.scheduler.running.append(request)
+            request.yielded = False
             if request.admitted is None:  # a preempted request coming back inherits its own blocks
                 request.admitted = time.monotonic()
                 metrics.admitted(request)
@@ -143,6 +146,27 @@ class Admission:
         pinned = self.pool.stats()["blocks_pinned"]
         return -(-(len(request.tokens()) + 1) // self.pool.block_size) > self.pool.num_blocks - pinned
 
+    def _make_room(self, request: Request, metrics) -> bool:
+        """For a new request that memory turned away and that can still meet its first-token
+        target, swap out running decodes with slack (`yielding`) when there is a host tier to
+        take their blocks; True when some were."""
+        target, now = self.scheduler.limits.ttft_target, time.monotonic()
+        if request.generated or target is None or self.pool.tiers.host is None:
+            return False
+        if now + self._uncached(request) * self.costs.seconds_per_token() > request.arrived + target:
+            return False
+        stored = self._inheritable(request) // self.pool.block_size
+        victims = self.scheduler.yielders(request, stored, self._device_prefix(request), self.costs.step_seconds(), now)
+        for victim in victims:
+            metrics.preempted(self.preemption.preempt(victim, yielding=True), yielding=True)
+        return bool(victims)
+
+    def _device_prefix(self, request: Request) -> set[int]:
+        """The device blocks indexed under the digests of the request's prefix: what it would
+        inherit, so that releasing them frees nothing for it."""
+        now, lookup = self.pool.policy.now(), self.pool.reuse.index.lookup
+        return {lookup(digest, now) for pair in self._digest_pairs(request) for digest in pair} - {None}
+
     def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
         """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
         nothing held) when memory does not allow it, or `DEFERRED` (nothing held, touched or
@@ -162,7 +186,7 @@ class Admission:
                 return None
             request.sequence = Sequence(blocks=blocks, length=length, tokens=tokens[:length],
                                         history=bytearray(b"\x01" * length))
-            self._unswap(request)
+            self.preemption.unswap(request)
             request.computed = request.inherited = request.sequence.length
             count = min(request.remaining, budget)
             try:
@@ -231,45 +255,3 @@ class Admission:
             now = self.pool.policy.now()
             self.scheduler.inflight = {d: r for d, r in self.scheduler.inflight.items()
                                        if r.outcome is None and self.pool.reuse.index.lookup(d, now) is None}
-
-    # ----------------------------------------------------------- preempt
-    def preempt(self, request: Request) -> str:
-        """Send a running request back to the queue; returns the mode ("swap" or "recompute")."""
-        sequence, size = request.sequence, self.pool.block_size
-        partial = sequence.partial_block(size)
-        mode = "recompute"
-        if partial is not None and self._swap_is_cheaper(sequence.length % size):
-            started = time.perf_counter()
-            request.swapped = (sequence.length, [(k.to("cpu", copy=True), v.to("cpu", copy=True))
-                                                 for k, v in self.pool.block_layers(partial)])
-            self.copy_seconds_per_block = time.perf_counter() - started
-            mode = "swap"
-        self.scheduler.remove(request)
-        self.pool.decref(sequence.blocks)  # full blocks were indexed: they stay cached
-        request.sequence, request.computed = Sequence(), 0
-        request.preemptions += 1
-        self.scheduler.enqueue(request)
-        log.info("preempted request %d (%s, %d tokens stored), its priority now %d", request.id, mode,
-                 sequence.length, request.effective_priority)
-        return mode
-
-    def _swap_is_cheaper(self, tokens: int) -> bool:
-        per_token = self.costs.seconds_per_token()
-        return per_token == 0.0 or self.copy_seconds_per_block < tokens * per_token
-
-    def _unswap(self, request: Request) -> None:
-        """Put a preempted request's partial block back, if its full blocks all survived."""
-        if request.swapped is None:
-            return
-        length, layers = request.swapped
-        request.swapped = None
-        sequence, size = request.sequence, self.pool.block_size
-        if sequence.length != length // size * size:
-            return  # some full block was evicted meanwhile: recompute from there
-        (block,) = self.pool.allocate(1, after=sequence.blocks[-1] if sequence.blocks else None)
-        for (key, value), (host_key, host_value) in zip(self.pool.block_layers(block), layers):
-            key.copy_(host_key)
-            value.copy_(host_value)
-        sequence.blocks.append(block)
-        sequence.tokens, sequence.length = request.tokens()[:length], length
-        sequence.history = bytearray(b"\x01" * length)

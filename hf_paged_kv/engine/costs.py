@@ -45,6 +45,11 @@ class StepCosts:
             self.slope = min(max(slope, 0.0), self.seconds_per_token())
         return self.slope
 
+    def step_seconds(self) -> float:
+        """The mean duration of the recent steps (0.0 before any)."""
+        steps = self.steps()
+        return sum(s for _, s in steps) / len(steps) if steps else 0.0
+
     def throughput(self) -> float:
         """Tokens per second over the recent steps."""
         steps = self.steps()

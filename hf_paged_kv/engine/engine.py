@@ -195,8 +195,11 @@ class Engine:
                                                                             self.limits.prefetch_watermark))
             budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
             ends_prompts = any(request.ends_prompt(n) for request, n in batch)
-            batch += self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0) if self.scheduler.waiting else None,
-                                          self.metrics, ends_prompts)
+            admitted = self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0)
+                                            if self.scheduler.waiting else None, self.metrics, ends_prompts)
+            # decodes that yielded their memory to a first token (see yielding) leave this forward
+            running = set(self.scheduler.running)
+            batch = [(request, n) for request, n in batch if request in running] + admitted
         if not batch:
             return False
         whole = self._forward(batch)
@@ -263,7 +266,7 @@ class Engine:
 
     def _preempt(self, request: Request) -> None:
         self.load.signals.record("preemption")
-        self.metrics.preempted(self.admission.preempt(request))
+        self.metrics.preempted(self.admission.preemption.preempt(request))
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:

@@ -32,6 +32,8 @@ class LoadControl:
         if self.controller is not None:
             if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
+            if engine.limits.per_token_target is None:  # decodes with slack yield to first tokens (yielding)
+                engine.limits.per_token_target = slo.per_token
             for name, value in self.controller.settings().items():
                 if name != "state":
                     engine.metrics.knobs.labels(name).set(value)
@@ -163,7 +165,8 @@ class LoadControl:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
         settings = ({"state": "off"} if self.controller is None else
-                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target})
+                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,
+                                                 "per_token_target": self.engine.limits.per_token_target})
         return self.counts | {
             "goodput": within / elapsed,
             "availability": within / submitted if submitted else 1.0,

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COUNTERS = ("requests_finished", "requests_rejected", "requests_cancelled", "requests_failed", "preemptions",
-            "max_running", "tokens_prefilled", "tokens_inherited", "tokens_recomputed", "tokens_prefetched",
+            "preemptions_for_first_tokens", "max_running", "tokens_prefilled", "tokens_inherited", "tokens_recomputed", "tokens_prefetched",
             "tokens_generated", "steps")
 
 
@@ -42,7 +42,8 @@ class EngineMetrics:
         self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since start")
         self.availability = gauge("availability_ratio", "Requests within the SLO targets / requests submitted")
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
-        self.preemptions = counter("preemptions", "Preemptions by mode", ["mode"])
+        self.preemptions = counter("preemptions", "Preemptions by mode, and why: memory ran out, or a decode "
+                                   "yielded its memory to a first token", ["mode", "reason"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens by where their KV came from (recomputed: "
                                      "computed again after a preemption)", ["source"])
         self.generated = counter("generated_tokens", "Tokens generated")
@@ -102,9 +103,11 @@ class EngineMetrics:
         self.count("steps")
         self.step.observe(seconds)
 
-    def preempted(self, mode: str) -> None:
+    def preempted(self, mode: str, yielding: bool = False) -> None:
         self.count("preemptions")
-        self.preemptions.labels(mode).inc()
+        if yielding:
+            self.count("preemptions_for_first_tokens")
+        self.preemptions.labels(mode, "first_token" if yielding else "memory").inc()
 
     # ----------------------------------------------------------- levels
     def observe_pool(self, stats: dict) -> None:

@@ -153,6 +153,7 @@ class Request:
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
     swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
+    yielded: bool = False  # waiting after making room for another's first token (see `yielding`)
 
     def tokens(self) -> list[int]:
         """The prompt and every generated token: what the sequence must hold before the next

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
+from . import yielding
 from .request import Request
 
 
@@ -39,6 +40,7 @@ class Limits:
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
     ttft_target: float | None = None  # s; set: admission triages by it (late requests yield, partial chunks wait)
+    per_token_target: float | None = None  # s; set with ttft_target and a host tier: decodes yield (see yielding)
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
@@ -58,6 +60,9 @@ class Limits:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
         if self.ttft_target is not None and self.ttft_target <= 0:
             raise ValueError(f"Limits.ttft_target must be > 0 seconds (or None: no triage), got {self.ttft_target}")
+        if self.per_token_target is not None and self.per_token_target <= 0:
+            raise ValueError(f"Limits.per_token_target must be > 0 seconds (or None: decodes never yield), "
+                             f"got {self.per_token_target}")
 
 
 class Scheduler:
@@ -100,20 +105,43 @@ class Scheduler:
     def reserve(self) -> int:
         """Blocks to keep for the running sequences' growth: their unfed tokens, and a share of
         what they may still generate."""
-        size, total = self.pool.block_size, 0.0
-        for request in self.running:
-            to_generate = request.params.max_new_tokens - len(request.generated)
-            total += (request.remaining + self.growth_ratio * to_generate) / size
-        return int(total) + len(self.running)
+        return int(sum(self._growth(request) for request in self.running)) + len(self.running)
 
-    def admissible(self, request: Request, inherited_blocks: int) -> bool:
-        """Whether memory covers the request's uncached tokens and the running ones' reserve."""
+    def _growth(self, request: Request) -> float:
+        to_generate = request.params.max_new_tokens - len(request.generated)
+        return (request.remaining + self.growth_ratio * to_generate) / self.pool.block_size
+
+    def shortfall(self, request: Request, inherited_blocks: int) -> int:
+        """Blocks that memory lacks for the request's uncached tokens and the running ones'
+        reserve (<= 0: it fits)."""
         size = self.pool.block_size
         needed = -(-(len(request.tokens()) + 1) // size) - inherited_blocks
         # the watermark keeps room for running sequences: with none, a request it alone turns
         # away would wait forever
         keep_free = int(self.limits.watermark * self.pool.num_blocks) if self.running else 0
-        return self.pool.num_available() - keep_free >= needed + self.reserve()
+        return needed + self.reserve() + keep_free - self.pool.num_available()
+
+    def admissible(self, request: Request, inherited_blocks: int) -> bool:
+        """Whether memory covers the request's uncached tokens and the running ones' reserve."""
+        return self.shortfall(request, inherited_blocks) <= 0
+
+    def yielders(self, request: Request, inherited_blocks: int, kept: set[int], step_seconds: float,
+                 now: float) -> list[Request]:
+        """The running decodes to swap out so that `request` fits (see `yielding`); none when
+        they cannot make the room or decodes never yield (no per-token or first-token target).
+        `kept`: blocks `request` would inherit, which a victim's release frees nothing of."""
+        limits = self.limits
+        if limits.per_token_target is None or limits.ttft_target is None:
+            return []
+
+        def frees(victim: Request) -> int:  # what it alone holds, and its share of the reserve (rounded down)
+            released = [block for block in victim.sequence.blocks if block not in kept]
+            return self.pool.allocator.held_alone(released) + int(self._growth(victim)) + 1
+
+        with self.pool.locked():
+            return yielding.victims(self.running, request, self.shortfall(request, inherited_blocks), frees,
+                                    limits.per_token_target, yielding.MIN_SLACK * limits.ttft_target, step_seconds,
+                                    now)
 
     def room_for_more(self, budget: int) -> bool:
         return budget > 0 and len(self.running) < self.limits.max_running
