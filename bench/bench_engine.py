@@ -441,7 +441,8 @@ def engine_probe(engine):
         stats = engine.stats()
         extra = {"state": stats["controller"].get("state", "off"),
                  "shed": stats["controller"].get("shed_below_priority", float("-inf")),
-                 "batch_tokens": engine.limits.max_batch_tokens, "num_blocks": stats["num_blocks"]}
+                 "batch_tokens": engine.limits.max_batch_tokens, "num_blocks": stats["num_blocks"],
+                 "host_bytes": stats.get("host_bytes_used", 0)}
         return stats["requests_running"], stats["requests_waiting"], stats["bytes_used"], extra
     return probe
 
@@ -449,9 +450,10 @@ def engine_probe(engine):
 def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str = "engine",
                  controller: bool = False, slo: SLO | None = None, thresholds: Thresholds | None = None,
                  deadline_after: float | None = None, period: float = 0.05) -> Run:
-    """The engine on a fresh pool of `size["num_blocks"]`, the requests submitted in real time."""
+    """The engine on a fresh pool of `size["num_blocks"]` (and a host tier of `size["host_blocks"]`,
+    if given), the requests submitted in real time."""
     hf_paged_kv.disable(model)
-    pool = KVPool(num_blocks=size["num_blocks"], block_size=size["block_size"])
+    pool = KVPool(num_blocks=size["num_blocks"], block_size=size["block_size"], host_blocks=size.get("host_blocks"))
     limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"])
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=slo, thresholds=thresholds)
     last = max(r.arrival for r in reqs)
@@ -482,7 +484,8 @@ def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str 
 
 def cb_config(size: dict) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(block_size=size["block_size"], num_blocks=size["num_blocks"],
-                                    max_batch_tokens=size["batch_tokens"], max_requests_per_batch=size["max_running"])
+                                    max_batch_tokens=size["batch_tokens"], max_requests_per_batch=size["max_running"],
+                                    cpu_offload_space=size.get("cb_offload_gib", 0.0))
 
 
 def serve_cb(model, reqs: list[Req], stop: list[int], size: dict, pad_id: int, name: str = "transformers CB",

@@ -20,7 +20,10 @@ Systems, one after another, each serving the whole trace in real time: the engin
 controller (`controller=True`), the engine without it, and transformers' `ContinuousBatchingManager`
 (streaming, the same `num_blocks` / `block_size` / `max_batch_tokens`: the same KV bytes). The pool
 holds the static reservation (prompt + max_new_tokens) of `--pool-requests` average requests:
-fewer than are in flight at the peak. The client honours `retry_after`: a refused request (at
+fewer than are in flight at the peak. Both engines also get a host tier of as many blocks
+(`--host-blocks`), where evicted prefixes go and where, with the controller's targets, decodes that
+yield their memory to first tokens wait; transformers CB gets a CPU swap pool of the same bytes
+where it can have one (it pins it, which needs an accelerator). The client honours `retry_after`: a refused request (at
 submit, or turned away while waiting) is resubmitted after it, up to 8 attempts while the trace
 plus `--drain` seconds last; requests not done by then are cancelled and counted as lost.
 
@@ -253,6 +256,8 @@ def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
         mean_running=float(np.mean([s[1] for s in samples])) if samples else 0.0,
         max_waiting=max((s[2] for s in samples), default=0),
         inherited=run.extra.get("stats", {}).get("tokens_inherited"),
+        yielded=run.extra.get("stats", {}).get("preemptions_for_first_tokens"),
+        peak_host=max((s[4]["host_bytes"] for s in samples if "host_bytes" in s[4]), default=None),
     )
 
 
@@ -277,7 +282,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
         f"{sum(r.priority for r in reqs)} of priority 1; max_new_tokens {size['new'][0]}..{size['new'][1]}, "
         f"stopping at the end of the first sentence. KV memory for every system: {size['num_blocks']} blocks of "
         f"{size['block_size']} tokens ({mib(size['num_blocks'] * size['per_block'])} MiB, the static reservation of "
-        f"{size['pool_requests']} average requests). Engine: `max_running={size['max_running']}, max_batch_tokens="
+        f"{size['pool_requests']} average requests). {host_text(size)} Engine: `max_running={size['max_running']}, "
+        f"max_batch_tokens="
         f"{size['batch_tokens']}`, `Thresholds(dwell={size['dwell']}, tick={size['tick']})`; transformers CB: "
         f"`ContinuousBatchingConfig(num_blocks={size['num_blocks']}, block_size={size['block_size']}, "
         f"max_batch_tokens={size['batch_tokens']})`.",
@@ -285,16 +291,17 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
         f"SLO targets: time to first token {slo.ttft:g} s, per-token latency {slo.per_token:g} s ({how}).",
     ]
     header = ["system", "availability (peak)", "priority 1 availability", "goodput req/s", "completed",
-              "refused (gave up)", "refusals / retries", "lost", "preemptions", "peak KV MiB (share)",
-              "max / mean running", "max waiting"]
+              "refused (gave up)", "refusals / retries", "lost", "preemptions (yielding to first tokens)",
+              "peak KV MiB (share)", "peak host tier MiB", "max / mean running", "max waiting"]
     rows = []
     for name in names:
         s = summaries[name]
         rows.append([name, f"{s['availability']:.1%} ({s['availability_peak']:.1%})", f"{s['high_availability']:.1%}",
                      f"{s['goodput']:.3f}", f"{s['completed']} of {s['submitted']}", s["refused"],
                      f"{s['refusals']} / {s['retries']}", s["lost"],
-                     "-" if s["preemptions"] is None else s["preemptions"],
-                     f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})", f"{s['max_running']:.0f} / "
+                     "-" if s["preemptions"] is None else f"{s['preemptions']} ({s['yielded'] or 0})",
+                     f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})",
+                     "-" if s["peak_host"] is None else mib(s["peak_host"]), f"{s['max_running']:.0f} / "
                      f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}"])
     lines += ["", "**Service** (availability: requests completed within both targets / requests submitted; time to "
                   "first token counted from the first submission, retries included):", "",
@@ -337,6 +344,18 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
                   "engines and transformers CB start with the client thread's idle OpenMP workers released "
                   "(`hf_paged_kv.engine.openmp`)."]
     return "\n".join(lines)
+
+
+def host_text(size: dict) -> str:
+    """What each system may swap to beyond its KV memory."""
+    if not size["host_blocks"]:
+        return "No host tier."
+    host = f"{size['host_blocks']} blocks ({mib(size['host_blocks'] * size['per_block'])} MiB)"
+    cb = (f"transformers CB a CPU swap pool of the same bytes (`cpu_offload_space={size['cb_offload_gib']:.4f}` GiB)"
+          if size["cb_offload_gib"] else "transformers CB none: its CPU swap pool is pinned memory, which a torch "
+          "without an accelerator cannot allocate")
+    return (f"Host memory to swap to: both engines a host tier of {host} (where evicted prefixes go and, with "
+            f"the controller's targets, decodes that yield their memory to first tokens wait), {cb}.")
 
 
 def bound_text(reqs: list[Req], slo: SLO, bound: dict, p99_wanted: float, served: int) -> str:
@@ -459,6 +478,8 @@ def main() -> int:
     parser.add_argument("--drain", type=float, help="seconds after the last arrival before the rest is cancelled")
     parser.add_argument("--slo-ttft", type=float, help="time-to-first-token target, s (default: calibrated)")
     parser.add_argument("--slo-per-token", type=float, help="per-token latency target, s (default: calibrated)")
+    parser.add_argument("--host-blocks", type=int,
+                        help="the engines' host tier, in blocks (default: as many as the pool; 0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     parser.add_argument("--plot", help="where the PNG goes (default docs/bench_load.png; a temp dir in --smoke)")
@@ -485,6 +506,10 @@ def main() -> int:
     hf_paged_kv.enable(model, pool=KVPool(num_blocks=size["num_blocks"], block_size=bs))
     size["per_block"] = hf_paged_kv.pool_of(model).bytes_per_block
     hf_paged_kv.disable(model)
+    size["host_blocks"] = size["num_blocks"] if args.host_blocks is None else (args.host_blocks or None)
+    # transformers CB's swap pool is pinned memory: only with an accelerator
+    size["cb_offload_gib"] = ((size["host_blocks"] or 0) * size["per_block"] / 2**30 if device.type == "cuda"
+                              else 0.0)
     note(f"trace: {len(reqs)} requests over {duration:.0f} s; pool {size['num_blocks']} blocks of {bs}")
 
     calibration = None
