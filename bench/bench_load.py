@@ -23,7 +23,10 @@ holds the static reservation (prompt + max_new_tokens) of `--pool-requests` aver
 fewer than are in flight at the peak. Both engines also get a host tier of as many blocks
 (`--host-blocks`), where evicted prefixes go and where, with the controller's targets, decodes that
 yield their memory to first tokens wait; transformers CB gets a CPU swap pool of the same bytes
-where it can have one (it pins it, which needs an accelerator). The client honours `retry_after`: a refused request (at
+where it can have one (it pins it, which needs an accelerator). On a CPU-only machine the host
+tier is the same RAM as the pool: there the engines hold up to twice transformers CB's KV bytes
+(the report gives the host tier's peak; `--host-blocks 0` compares at equal bytes), plus the
+partial last block of each preempted request, which waits in host memory outside the tier. The client honours `retry_after`: a refused request (at
 submit, or turned away while waiting) is resubmitted after it, up to 8 attempts while the trace
 plus `--drain` seconds last; requests not done by then are cancelled and counted as lost.
 

@@ -144,6 +144,10 @@ class BlockAllocator:
         them): what their one holder's release frees or leaves evictable."""
         return int(np.count_nonzero(self.refcount[np.asarray(blocks, dtype=np.int64)] == 1))
 
+    def referenced(self, blocks) -> int:
+        """How many of `blocks` something references."""
+        return int(np.count_nonzero(self.refcount[np.asarray(blocks, dtype=np.int64)] > 0))
+
     def in_use(self) -> int:
         return int(np.count_nonzero(self.refcount > 0))
 

@@ -17,6 +17,7 @@ import hf_paged_kv
 from hf_paged_kv import Engine, KVPool
 from hf_paged_kv.engine import SLO
 from hf_paged_kv.engine.admission import Admission
+from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits, Scheduler
 from hf_paged_kv.engine.yielding import slack, victims
@@ -103,14 +104,66 @@ def test_a_decode_with_slack_yields_to_a_request_memory_turns_away():
 def test_a_victim_frees_only_the_blocks_it_alone_holds_outside_the_requesters_prefix():
     admit, now = admission_with_host(), time.monotonic()
     decode = running(admit, 10, since=1.0, blocks=10, prompt=30)
-    admit.pool.incref(decode.sequence.blocks[:6])  # another sequence shares its first 6 blocks
-    requester = queue(admit, 30, now, first=700)  # 3 blocks short (see above)
+    blocks = decode.sequence.blocks
+    admit.pool.incref(blocks[:6])  # another sequence shares its first 6 blocks
     step = admit.costs.step_seconds()
-    # it alone holds 4 blocks and one of the reserve: 5 >= 3
-    assert admit.scheduler.yielders(requester, 0, set(), step, now) == [decode]
-    # 3 of those 4 are in the requester's prefix: releasing them frees nothing for it
-    assert admit.scheduler.yielders(requester, 0, set(decode.sequence.blocks[6:9]), step, now) == []
-    admit.pool.decref(decode.sequence.blocks[:6])
+    requester = queue(admit, 30, now, first=700)  # 8 blocks, and 1 for the decode's reserve: 3 short
+    # the decode alone holds 4 blocks, and one of the reserve: 5 >= 3
+    assert admit.scheduler.yielders(requester, [], set(), step, now) == [decode]
+    assert admit.scheduler.yielders(requester, [], {decode}, step, now) == []  # admitted in this step
+    # 47 tokens whose first 3 blocks are the decode's: 12 blocks, 3 of them inherited from the decode,
+    # and 1 of the reserve: 4 short; outside that prefix the decode alone holds 1 block, with its
+    # reserve 2: not enough (releasing its prefix blocks only turns them into ones to inherit)
+    longer = Request(list(range(700, 747)), SamplingParams(max_new_tokens=4))
+    assert admit.scheduler.yielders(longer, blocks[6:9], set(), step, now) == []
+    # 39 tokens whose first 2 blocks are the decode's: 10 blocks, 2 inherited, 1 of the reserve: 3 short;
+    # outside them the decode alone holds 2 blocks, with its reserve 3: enough
+    shorter = Request(list(range(700, 739)), SamplingParams(max_new_tokens=4))
+    assert admit.scheduler.yielders(shorter, blocks[6:8], set(), step, now) == [decode]
+    admit.pool.decref(blocks[:6])
+
+
+def test_an_idle_cached_prefix_spares_the_requester_nothing():
+    """Inheriting an idle cached block takes one that counted as available: the room to make is
+    what the requester lacks with its prefix counted as needed."""
+    admit, now = admission_with_host(), time.monotonic()
+    prefix = list(range(700, 712))  # 3 blocks, cached and idle, as an earlier request left them
+    held = admit.pool.allocate(3)
+    admit.pool.reuse.index_sequence(MODEL, "default", Sequence(blocks=held, length=12, tokens=prefix,
+                                                               history=bytearray(b"\x01" * 12)), 0)
+    admit.pool.decref(held)
+    decode = running(admit, 10, since=1.0, blocks=10, prompt=30)  # 3 free blocks left
+    requester = Request(prefix + list(range(800, 818)), SamplingParams(max_new_tokens=4))
+    requester.arrived = now
+    admit.scheduler.enqueue(requester)
+    assert admitted(admit) == [requester] and decode.yielded
+    assert requester.inherited == 12
+
+
+def test_a_decode_back_in_this_step_is_not_swapped_out_again_in_it():
+    admit, now = admission_with_host(), time.monotonic()
+    decode = running(admit, 10, since=1.0, blocks=10, prompt=30)
+    newcomer = queue(admit, 30, now, first=700)
+    assert admitted(admit) == [newcomer] and decode.yielded
+    admit.scheduler.running.remove(newcomer)  # it finished
+    admit.pool.decref(newcomer.sequence.blocks)
+    second = queue(admit, 30, now, first=900)
+    assert admitted(admit) == [decode]  # back first; the second request does not take its room again
+    assert decode in admit.scheduler.running and not decode.yielded and second in admit.scheduler.waiting
+
+
+@pytest.mark.parametrize("ends_prompts", [False, True])
+def test_no_decode_yields_to_a_prompt_that_waits_for_a_later_forward_anyway(ends_prompts):
+    """In a forward that ends prompts, a new prompt whose uncached part does not fit the budget
+    waits for a later forward (`PARTIAL_DELAY`): swapping decodes out for it would be for nothing."""
+    admit, now = admission_with_host(), time.monotonic()
+    admit.costs.record(1, 0.01)  # a token costs 10 ms at the margin: a 20-token chunk delays others 0.2 s
+    admit.costs.record(100, 1.0)
+    decode = running(admit, 10, since=1.0, blocks=10, prompt=30)
+    newcomer = queue(admit, 30, now, first=700)
+    chosen = admit.admit(20, MODEL, EngineMetrics(), ends_prompts)
+    assert [request for request, _ in chosen] == ([] if ends_prompts else [newcomer])
+    assert decode.yielded is not ends_prompts
 
 
 @pytest.mark.parametrize("case", ["no host tier", "no per-token target", "too late", "no slack"])
@@ -122,29 +175,37 @@ def test_nothing_yields_where_it_cannot_help(case):
     assert admitted(admit) == [] and admit.scheduler.running == [decode] and not decode.yielded
 
 
-def engine_outputs(controller: bool, host_blocks: int | None = 16):
-    """A long decode holding most of a small pool; a short request submitted once it has
-    streamed a few tokens, which memory turns away beside it. Returns both requests and the
-    engine's stats; their outputs are `generate`'s."""
+def engine_outputs(controller: bool, host_blocks: int | None = 16, cancel_long: bool = False):
+    """A long decode holding most of a small pool; a request with a longer prompt submitted once
+    it has streamed a few tokens, which memory turns away beside it. Returns both requests and the
+    engine's stats; their outputs are `generate`'s (the long one's up to where it was cancelled,
+    if `cancel_long`: as soon as the other streams)."""
     model = make_model("llama", seed=5)
     model.generation_config.eos_token_id = None  # both run to max_new_tokens
-    long_prompt, short_prompt = prompts([30, 18], seed=30)
+    long_prompt, other_prompt = prompts([30, 124], seed=30)
     expected = []
-    for prompt, new in ((long_prompt, 120), (short_prompt, 6)):
+    for prompt, new in ((long_prompt, 120), (other_prompt, 24)):
         ids = torch.tensor([prompt])
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
                              max_new_tokens=new, do_sample=False)
         expected.append(out[0, len(prompt):].tolist())
     limits = Limits(max_batch_tokens=64, growth_ratio_init=1.0, growth_ratio_min=1.0)  # reserve all it may generate
-    pool = KVPool(num_blocks=40, block_size=4, host_blocks=host_blocks)
+    pool = KVPool(num_blocks=40, block_size=4, host_blocks=host_blocks, pin_budget=0.0,
+                  hot_threshold=None)  # every block for the two requests
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=SLO(ttft=30.0, per_token=30.0))
     with engine:
         first = engine.submit(long_prompt, max_new_tokens=120)
         stream = first.stream()
         for _ in range(4):  # it decodes, and has slack to yield
             next(stream)
-        second = engine.submit(short_prompt, max_new_tokens=6)
+        second = engine.submit(other_prompt, max_new_tokens=24)
+        if cancel_long:
+            next(second.stream())
+            first.cancel()
         results = [first.result(timeout=120), second.result(timeout=120)]
+    if cancel_long:
+        assert first.outcome == "cancelled" and results[0] == expected[0][: len(results[0])]
+        results[0] = expected[0]
     assert results == expected
     stats = engine.stats()
     assert stats["requests_failed"] == 0
@@ -154,17 +215,24 @@ def engine_outputs(controller: bool, host_blocks: int | None = 16):
 
 
 def test_a_decode_yields_to_a_first_token_and_both_give_generates_tokens():
-    """The long request's reserve for its 120 tokens leaves no room for the short one; with the
-    controller's targets and a host tier, it steps out: the short one streams before the long
-    one ends, and the long one resumes with its own tokens."""
-    long, short, stats = engine_outputs(controller=True)
+    """The long request's reserve for its 120 tokens leaves no room for the other; with the
+    controller's targets and a host tier, it steps out: the other streams before the long one
+    ends, and the long one resumes with its own tokens, some of its blocks back from the host tier
+    (the other's 32 blocks evicted them)."""
+    long, other, stats = engine_outputs(controller=True)
     assert stats["preemptions_for_first_tokens"] >= 1 and stats["preemptions"] == stats["preemptions_for_first_tokens"]
-    assert short.first_token < long.last_token
+    assert other.first_token < long.last_token
     assert long.preemptions == 0 and not long.yielded
+    assert stats["hit_tokens_host"] > 0
+
+
+def test_a_decode_cancelled_while_it_waits_after_yielding_leaves_nothing_behind():
+    long, other, stats = engine_outputs(controller=True, cancel_long=True)
+    assert stats["preemptions_for_first_tokens"] >= 1 and long.swapped is None
 
 
 @pytest.mark.parametrize("controller, host_blocks", [(False, 16), (True, None)])
 def test_without_targets_or_a_host_tier_no_decode_yields(controller, host_blocks):
-    long, short, stats = engine_outputs(controller, host_blocks)
+    long, other, stats = engine_outputs(controller, host_blocks)
     assert stats["preemptions"] == 0
-    assert short.first_token > long.last_token  # it waited for the long one's blocks
+    assert other.first_token > long.last_token  # it waited for the long one's blocks

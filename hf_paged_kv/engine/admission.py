@@ -18,6 +18,7 @@ import numpy as np
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from ..sequence import Sequence
+from . import yielding
 from .costs import StepCosts
 from .preemption import Preemption
 from .request import Request
@@ -80,13 +81,13 @@ class Admission:
                 continue
             whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
             count = self._try(request, budget, whole)
-            if count is None and self._make_room(request, metrics):
-                count = self._try(request, budget)  # now, or its room goes back to those that made it
+            if count is None and self._make_room(request, budget if whole else None, admitted, metrics):
+                count = self._try(request, budget, whole)
             if count == DEFERRED:
                 break
             if count is None:
-                if request.yielded:
-                    continue  # a decode that made room for a first token waits on its slack, holding no one back
+                if self._waits_on_slack(request):
+                    continue  # holding no one back
                 blocked = blocked or request
                 if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
                     break
@@ -146,26 +147,44 @@ class Admission:
         pinned = self.pool.stats()["blocks_pinned"]
         return -(-(len(request.tokens()) + 1) // self.pool.block_size) > self.pool.num_blocks - pinned
 
-    def _make_room(self, request: Request, metrics) -> bool:
+    def _make_room(self, request: Request, whole_budget: int | None, admitted: list, metrics) -> bool:
         """For a new request that memory turned away and that can still meet its first-token
         target, swap out running decodes with slack (`yielding`) when there is a host tier to
-        take their blocks; True when some were."""
+        take their blocks; never one admitted in this step (`admitted`), nor for a prompt that
+        waits for a later forward anyway (its uncached part over `whole_budget`). True when some
+        were."""
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
         if request.generated or target is None or self.pool.tiers.host is None:
             return False
+        if whole_budget is not None and len(request.tokens()) - self._inheritable(request) > whole_budget:
+            return False
         if now + self._uncached(request) * self.costs.seconds_per_token() > request.arrived + target:
             return False
-        stored = self._inheritable(request) // self.pool.block_size
-        victims = self.scheduler.yielders(request, stored, self._device_prefix(request), self.costs.step_seconds(), now)
+        victims = self.scheduler.yielders(request, self._device_prefix(request), {r for r, _ in admitted},
+                                          self.costs.step_seconds(), now)
         for victim in victims:
             metrics.preempted(self.preemption.preempt(victim, yielding=True), yielding=True)
         return bool(victims)
 
-    def _device_prefix(self, request: Request) -> set[int]:
-        """The device blocks indexed under the digests of the request's prefix: what it would
-        inherit, so that releasing them frees nothing for it."""
-        now, lookup = self.pool.policy.now(), self.pool.reuse.index.lookup
-        return {lookup(digest, now) for pair in self._digest_pairs(request) for digest in pair} - {None}
+    def _device_prefix(self, request: Request) -> list[int]:
+        """The device blocks of the cached prefix the request would inherit (its blocks in the
+        host or disk tier aside), as `_inheritable` finds it."""
+        now, lookup, tiers, blocks = self.pool.policy.now(), self.pool.reuse.index.lookup, self.pool.tiers, []
+        for mine, published in self._chain_pairs(request):
+            block = lookup(mine, now)
+            block = lookup(published, now) if block is None else block
+            if block is not None:
+                blocks.append(block)
+            elif not (tiers.has(mine) or tiers.has(published)):
+                break
+        return blocks
+
+    def _waits_on_slack(self, request: Request) -> bool:
+        """A decode that yielded its memory to a first token lets others pass while it has slack
+        left; then it takes its turn like any request memory turns away."""
+        target = self.scheduler.limits.per_token_target
+        return request.yielded and target is not None and yielding.slack(
+            request, target, self.costs.step_seconds(), time.monotonic()) > 0
 
     def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
         """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
@@ -232,10 +251,13 @@ class Admission:
             kept = self.digests[request.id] = key, pairs
         return kept[1]
 
+    def _chain_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
+        """The digest pairs of the request's full blocks before its last token."""
+        return self._digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
+
     def _chain(self, request: Request) -> list[bytes]:
         """The tenant's digests of the request's full blocks before its last token."""
-        pairs = self._digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
-        return [own for own, _ in pairs]
+        return [own for own, _ in self._chain_pairs(request)]
 
     def _waits_for_inflight(self, request: Request) -> bool:
         return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self._chain(request))

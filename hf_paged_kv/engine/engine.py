@@ -199,7 +199,7 @@ class Engine:
                                             if self.scheduler.waiting else None, self.metrics, ends_prompts)
             # decodes that yielded their memory to a first token (see yielding) leave this forward
             running = set(self.scheduler.running)
-            batch = [(request, n) for request, n in batch if request in running] + admitted
+            batch = [(request, n) for request, n in batch + admitted if request in running]
         if not batch:
             return False
         whole = self._forward(batch)
@@ -250,7 +250,7 @@ class Engine:
         self.scheduler.remove(request)
         if request.sequence.blocks:
             self.pool.decref(request.sequence.blocks)
-        request.sequence = Sequence()
+        request.sequence, request.swapped = Sequence(), None
         request.outcome, request.finished = outcome, time.monotonic()
         self.metrics.ended(request, outcome)
         if outcome == "finished":

@@ -33,7 +33,8 @@ class Preemption:
         sequence, size = request.sequence, self.pool.block_size
         partial = sequence.partial_block(size)
         mode = "recompute"
-        if partial is not None and self._swap_is_cheaper(sequence.length % size):
+        # one yielding for a first token comes back soon and during a burst: no recompute then
+        if partial is not None and (yielding or self._swap_is_cheaper(sequence.length % size)):
             started = time.perf_counter()
             request.swapped = (sequence.length, [(k.to("cpu", copy=True), v.to("cpu", copy=True))
                                                  for k, v in self.pool.block_layers(partial)])

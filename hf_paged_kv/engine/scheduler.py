@@ -125,23 +125,27 @@ class Scheduler:
         """Whether memory covers the request's uncached tokens and the running ones' reserve."""
         return self.shortfall(request, inherited_blocks) <= 0
 
-    def yielders(self, request: Request, inherited_blocks: int, kept: set[int], step_seconds: float,
+    def yielders(self, request: Request, prefix: list[int], protected: set[Request], step_seconds: float,
                  now: float) -> list[Request]:
-        """The running decodes to swap out so that `request` fits (see `yielding`); none when
-        they cannot make the room or decodes never yield (no per-token or first-token target).
-        `kept`: blocks `request` would inherit, which a victim's release frees nothing of."""
+        """The running decodes (other than `protected` ones) to swap out so that `request` fits
+        (see `yielding`); none when they cannot make the room or decodes never yield (no
+        per-token or first-token target). `prefix`: the device blocks `request` would inherit."""
         limits = self.limits
         if limits.per_token_target is None or limits.ttft_target is None:
             return []
-
-        def frees(victim: Request) -> int:  # what it alone holds, and its share of the reserve (rounded down)
-            released = [block for block in victim.sequence.blocks if block not in kept]
-            return self.pool.allocator.held_alone(released) + int(self._growth(victim)) + 1
-
+        # inheriting a prefix block that a sequence holds spares the request a block; an idle cached
+        # one (already counted as available) or one in a lower tier spares nothing
+        kept = set(prefix)
         with self.pool.locked():
-            return yielding.victims(self.running, request, self.shortfall(request, inherited_blocks), frees,
-                                    limits.per_token_target, yielding.MIN_SLACK * limits.ttft_target, step_seconds,
-                                    now)
+            shortfall = self.shortfall(request, self.pool.allocator.referenced(prefix))
+
+            def frees(victim: Request) -> int:  # blocks it alone holds outside the prefix, and its reserve share
+                released = [block for block in victim.sequence.blocks if block not in kept]
+                return self.pool.allocator.held_alone(released) + int(self._growth(victim)) + 1
+
+            candidates = [r for r in self.running if r not in protected]
+            return yielding.victims(candidates, request, shortfall, frees, limits.per_token_target,
+                                    yielding.MIN_SLACK * limits.ttft_target, step_seconds, now)
 
     def room_for_more(self, budget: int) -> bool:
         return budget > 0 and len(self.running) < self.limits.max_running

@@ -6,18 +6,20 @@ target. With both targets set (`Limits.ttft_target` and `Limits.per_token_target
 controller sets from its SLO) and a host tier to take what they step out with, a new request that
 memory turns away while it can still get its first token in time swaps out running decodes that
 can afford the pause: their full blocks stay cached and go to the host tier when the pool evicts
-them, their partial block is kept in host memory, and they resume with exactly the KV they had
-(a copy back, not a recompute).
+them, their partial block is kept in host memory, and they resume with exactly the KV they had,
+copied back (recomputed only where the host tier had to drop a block meanwhile).
 
 A decode can afford a pause while it would still meet its per-token target (the mean time
 between its tokens) if its next token after the pause were its last: with `g` tokens since its
 first at `f`, at time `t`, its slack is `g x target - (t - f) - one step`. Victims need a slack of
 at least `MIN_SLACK` time-to-first-token targets (they wait for memory to free, which in a burst
-takes about that long); the lowest priority goes first, then the most slack; none is above the
-priority of the request it makes room for, and victims are taken only when together they free
-the blocks it lacks. Their priority does not rise (as it does after a preemption for growth),
-while they wait they let others pass, and their slack shrinks, so the same decode is not chosen
-again and again: its wait is what its slack allowed.
+takes about that long) and more than one token still to generate (one about to end frees its
+blocks anyway); the lowest (effective) priority goes first, then the most slack; none is above
+the priority of the request it makes room for, none was admitted in the same step, and victims
+are taken only when together they free the blocks it lacks. Their priority does not rise (as it
+does after a preemption because memory ran out); while their slack lasts they let others pass,
+after that they take their turn like any request memory turns away; and a decode that paused
+has less slack, so the same one is not chosen again and again.
 """
 
 from __future__ import annotations
@@ -46,9 +48,11 @@ def victims(running: list[Request], requester: Request, shortfall: int, frees: C
         return []
     spare = {r: slack(r, per_token_target, step_seconds, now) for r in running
              if r is not requester and r.first_token is not None and r.remaining == 1
-             and r.priority <= requester.priority}
+             and r.params.max_new_tokens - len(r.generated) > 1  # one about to end frees its blocks anyway
+             and r.effective_priority <= requester.effective_priority}
     chosen, freed = [], 0
-    for request in sorted((r for r, s in spare.items() if s >= min_slack), key=lambda r: (r.priority, -spare[r])):
+    for request in sorted((r for r, s in spare.items() if s >= min_slack),
+                          key=lambda r: (r.effective_priority, -spare[r])):
         chosen.append(request)
         freed += frees(request)
         if freed >= shortfall:
