@@ -55,7 +55,10 @@ def test_victims_are_the_lowest_priority_then_the_most_slack_and_only_enough_of_
     higher = decoding(30, since=1.0, priority=2, now=now)  # above the requester's priority
     prefilling = decoding(30, since=1.0, now=now)
     prefilling.computed -= 5  # still feeding tokens
-    running = [little, some, most, first, higher, prefilling]
+    raised = decoding(40, since=1.0, now=now)
+    raised.preemptions = 2  # preempted twice when memory ran out: its effective priority is above the requester's
+    ending = decoding(63, since=1.0, now=now)  # one token left of its 64: it frees its blocks anyway
+    running = [little, some, most, first, higher, prefilling, raised, ending]
 
     def chosen(shortfall, frees=lambda request: 4):
         return victims(running, requester, shortfall, frees, 0.5, 2.0, 0.0, now)
@@ -150,6 +153,31 @@ def test_a_decode_back_in_this_step_is_not_swapped_out_again_in_it():
     second = queue(admit, 30, now, first=900)
     assert admitted(admit) == [decode]  # back first; the second request does not take its room again
     assert decode in admit.scheduler.running and not decode.yielded and second in admit.scheduler.waiting
+
+
+@pytest.mark.parametrize("spent_for, passes", [(None, True), (0.5, True), (5.0, False)])
+def test_a_yielded_decode_holds_others_back_once_its_slack_is_spent_beyond_the_backfill_wait(spent_for, passes):
+    """While it has slack, or for `backfill_wait` (1 s) after it ran out, a later request that fits
+    passes the waiting decode; after that it takes its turn like any request memory turns away."""
+    admit, now = admission_with_host(), time.monotonic()
+    decode = running(admit, 10, since=1.0, blocks=10, prompt=30)  # 3.95 s of slack
+    newcomer = queue(admit, 30, now, first=700)
+    assert admitted(admit) == [newcomer] and decode.yielded
+    newcomer.computed, newcomer.generated = 30, [5]  # its forward ran
+    if spent_for is not None:
+        decode.first_token -= 4.0 + spent_for  # its slack ran out `spent_for` seconds ago
+    later = queue(admit, 4, now, first=900)
+    assert admitted(admit) == ([later] if passes else [])
+
+
+@pytest.mark.parametrize("yielding", [False, True])
+def test_a_yielding_decode_keeps_its_partial_block_in_host_memory_whatever_a_copy_costs(yielding):
+    admit = admission_with_host()
+    decode = running(admit, 10, since=1.0, blocks=10, prompt=30)  # 3 tokens in its partial block
+    admit.preemption.copy_seconds_per_block = 10.0  # a copy measured dearer than recomputing them
+    mode = admit.preemption.preempt(decode, yielding=yielding)
+    assert (mode, decode.swapped is not None) == (("swap", True) if yielding else ("recompute", False))
+    assert decode.yielded is yielding and decode.effective_priority == (0 if yielding else 1)
 
 
 @pytest.mark.parametrize("ends_prompts", [False, True])

@@ -86,10 +86,10 @@ class Admission:
             if count == DEFERRED:
                 break
             if count is None:
-                if self._waits_on_slack(request):
-                    continue  # holding no one back
+                if request.yielded and self._waiting_since(request) > time.monotonic():
+                    continue  # a decode that yielded its memory lets others pass while it has slack left
                 blocked = blocked or request
-                if time.monotonic() - blocked.arrived >= self.scheduler.limits.backfill_wait:
+                if time.monotonic() - self._waiting_since(blocked) >= self.scheduler.limits.backfill_wait:
                     break
                 continue
             self.scheduler.waiting.remove(request)
@@ -179,12 +179,14 @@ class Admission:
                 break
         return blocks
 
-    def _waits_on_slack(self, request: Request) -> bool:
-        """A decode that yielded its memory to a first token lets others pass while it has slack
-        left; then it takes its turn like any request memory turns away."""
+    def _waiting_since(self, request: Request) -> float:
+        """When the request began to wait for its turn: its arrival, or for a decode that yielded
+        its memory, the moment its slack runs out (until then it holds no one back)."""
         target = self.scheduler.limits.per_token_target
-        return request.yielded and target is not None and yielding.slack(
-            request, target, self.costs.step_seconds(), time.monotonic()) > 0
+        if not request.yielded or target is None:
+            return request.arrived
+        now = time.monotonic()
+        return now + yielding.slack(request, target, self.costs.step_seconds(), now)
 
     def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
         """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
@@ -194,8 +196,8 @@ class Admission:
         with self.pool.locked():
             if whole and not request.generated:
                 stored = self._inheritable(request)
-                if len(tokens) - stored > budget:
-                    fits = self.scheduler.admissible(request, stored // self.pool.block_size)
+                if len(tokens) - stored > budget:  # only the prefix blocks something holds spare it a block
+                    fits = self.scheduler.admissible(request, self.pool.allocator.referenced(self._device_prefix(request)))
                     return DEFERRED if fits else None
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
