@@ -32,7 +32,8 @@ def decoding(tokens: int, since: float, blocks: list[int] = (), priority: int = 
     request = Request(list(range(3, 3 + prompt)), SamplingParams(max_new_tokens=64), priority=priority)
     request.generated = list(range(500, 500 + tokens))
     request.computed = prompt + tokens - 1  # its last token is the next one fed: a decode
-    request.sequence = Sequence(blocks=list(blocks), length=request.computed, tokens=request.tokens()[: request.computed],
+    request.sequence = Sequence(blocks=list(blocks), length=request.computed,
+                                tokens=request.tokens()[: request.computed],
                                 history=bytearray(b"\x01" * request.computed))
     request.first_token = (time.monotonic() if now is None else now) - since
     return request

@@ -197,7 +197,8 @@ class Admission:
             if whole and not request.generated:
                 stored = self._inheritable(request)
                 if len(tokens) - stored > budget:  # only the prefix blocks something holds spare it a block
-                    fits = self.scheduler.admissible(request, self.pool.allocator.referenced(self._device_prefix(request)))
+                    held = self.pool.allocator.referenced(self._device_prefix(request))
+                    fits = self.scheduler.admissible(request, held)
                     return DEFERRED if fits else None
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
