@@ -134,14 +134,6 @@ class Admission:
                                        self._digest_pairs(request))
         return len(tokens) - cached["device"]
 
-    def _inheritable(self, request: Request) -> int:
-        """Tokens that inheriting the request's cached prefix would store: its blocks in any tier,
-        up to the block before its last token (a probe: nothing is referenced, touched or moved)."""
-        tokens, size = request.tokens(), self.pool.block_size
-        found = self.pool.reuse.probe(self.model, request.tenant, tokens, self.pool.tiers.has,
-                                      self._digest_pairs(request))
-        return min(sum(found.values()), (len(tokens) - 1) // size * size)
-
     def _never_fits(self, request: Request) -> bool:
         """Whether the request's tokens need more blocks than the pool has without its pins."""
         pinned = self.pool.stats()["blocks_pinned"]
@@ -156,20 +148,22 @@ class Admission:
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
         if request.generated or target is None or self.pool.tiers.host is None:
             return False
-        if whole_budget is not None and len(request.tokens()) - self._inheritable(request) > whole_budget:
+        prefix, stored = self._stored_prefix(request)
+        if whole_budget is not None and len(request.tokens()) - stored > whole_budget:
             return False
         if now + self._uncached(request) * self.costs.seconds_per_token() > request.arrived + target:
             return False
-        victims = self.scheduler.yielders(request, self._device_prefix(request), {r for r, _ in admitted},
-                                          self.costs.step_seconds(), now)
+        victims = self.scheduler.yielders(request, prefix, {r for r, _ in admitted}, self.costs.step_seconds(), now)
         for victim in victims:
             metrics.preempted(self.preemption.preempt(victim, yielding=True), yielding=True)
         return bool(victims)
 
-    def _device_prefix(self, request: Request) -> list[int]:
-        """The device blocks of the cached prefix the request would inherit (its blocks in the
-        host or disk tier aside), as `_inheritable` finds it."""
-        now, lookup, tiers, blocks = self.pool.policy.now(), self.pool.reuse.index.lookup, self.pool.tiers, []
+    def _stored_prefix(self, request: Request) -> tuple[list[int], int]:
+        """`(device blocks, tokens)` of the cached prefix that inheriting would store: its blocks in
+        any tier up to the block before the request's last token, and of those the ones in the
+        device pool (a probe: nothing is referenced, touched or moved)."""
+        now, lookup, tiers = self.pool.policy.now(), self.pool.reuse.index.lookup, self.pool.tiers
+        blocks, stored = [], 0
         for mine, published in self._chain_pairs(request):
             block = lookup(mine, now)
             block = lookup(published, now) if block is None else block
@@ -177,7 +171,8 @@ class Admission:
                 blocks.append(block)
             elif not (tiers.has(mine) or tiers.has(published)):
                 break
-        return blocks
+            stored += self.pool.block_size
+        return blocks, stored
 
     def _waiting_since(self, request: Request) -> float:
         """When the request began to wait for its turn: its arrival, or for a decode that yielded
@@ -195,11 +190,9 @@ class Admission:
         tokens = request.tokens()
         with self.pool.locked():
             if whole and not request.generated:
-                stored = self._inheritable(request)
-                if len(tokens) - stored > budget:  # only the prefix blocks something holds spare it a block
-                    held = self.pool.allocator.referenced(self._device_prefix(request))
-                    fits = self.scheduler.admissible(request, held)
-                    return DEFERRED if fits else None
+                prefix, stored = self._stored_prefix(request)
+                if len(tokens) - stored > budget:
+                    return DEFERRED if self.scheduler.shortfall_inheriting(request, prefix) <= 0 else None
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
                 lambda digest, after: self.pool.promote(digest, self.model, after))

@@ -125,6 +125,12 @@ class Scheduler:
         """Whether memory covers the request's uncached tokens and the running ones' reserve."""
         return self.shortfall(request, inherited_blocks) <= 0
 
+    def shortfall_inheriting(self, request: Request, prefix: list[int]) -> int:
+        """`shortfall` for a request that would inherit the device blocks `prefix`: inheriting a
+        block that a sequence holds spares the request a block; an idle cached one (already
+        counted as available) or one in a lower tier spares nothing."""
+        return self.shortfall(request, self.pool.allocator.referenced(prefix))
+
     def yielders(self, request: Request, prefix: list[int], protected: set[Request], step_seconds: float,
                  now: float) -> list[Request]:
         """The running decodes (other than `protected` ones) to swap out so that `request` fits
@@ -133,11 +139,9 @@ class Scheduler:
         limits = self.limits
         if limits.per_token_target is None or limits.ttft_target is None:
             return []
-        # inheriting a prefix block that a sequence holds spares the request a block; an idle cached
-        # one (already counted as available) or one in a lower tier spares nothing
         kept = set(prefix)
         with self.pool.locked():
-            shortfall = self.shortfall(request, self.pool.allocator.referenced(prefix))
+            shortfall = self.shortfall_inheriting(request, prefix)
 
             def frees(victim: Request) -> int:  # blocks it alone holds outside the prefix, and its reserve share
                 released = [block for block in victim.sequence.blocks if block not in kept]
