@@ -210,3 +210,25 @@ def test_a_lower_priority_never_passes_a_blocked_request():
     small = queue(admit, 6, now, priority=0, first=500)
     assert admitted(admit) == []
     assert admit.scheduler.waiting == [big, small]
+
+
+@pytest.mark.parametrize("num_blocks, limits, reserved", [
+    (64, Limits(), 1 + int(0.7 * (64 * 4 // 8) / 4)),  # an eighth of the pool: 32 tokens counted
+    (4096, Limits(growth_clip=40), 1 + int(0.7 * 40 / 4)),  # the clip: 40 tokens counted
+    (16384, Limits(), 1 + int(0.7 * 4000 / 4)),  # below both: what it may still generate
+])
+def test_the_growth_reserve_counts_a_bounded_share_of_max_new_tokens(num_blocks, limits, reserved):
+    """A request asking for the rest of a long context (a server's default) reserves at most
+    `Limits.growth_clip` tokens and an eighth of the pool: many such requests still run together."""
+    pool = KVPool(num_blocks=num_blocks, block_size=4)
+    pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
+    scheduler = Scheduler(pool, limits)
+    request = Request([3] * 8, SamplingParams(max_new_tokens=4000))
+    request.computed = 8  # its prompt is in: only what it may generate is reserved
+    scheduler.running.append(request)
+    assert scheduler.reserve() == reserved
+
+
+def test_the_growth_clip_must_be_a_positive_number_of_tokens():
+    with pytest.raises(ValueError, match="growth_clip must be >= 1"):
+        Limits(growth_clip=0)

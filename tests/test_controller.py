@@ -452,3 +452,14 @@ def test_engine_under_a_burst_sheds_the_lowest_priority_and_recovers():
     assert stats["requests_finished"] + stats["requests_rejected"] == 40
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
+
+
+def test_event_history_stays_within_the_long_window_when_nothing_reads_it():
+    """An engine without a controller records events that nobody reads: recording forgets what
+    has left the long window, so a long-running server keeps a bounded history."""
+    signals = Signals(short=2.0, long=4.0, clock=lambda: 0.0)
+    for second in range(1000):
+        signals.record("arrival", now=float(second))
+        signals.record("ttft", 0.1, now=float(second))
+    assert all(len(signals.events[name]) <= 5 for name in ("arrival", "ttft"))
+    assert signals.count("arrival", since=996.0) == 4

@@ -233,7 +233,22 @@ def test_bad_sampling_arguments_and_token_ids_are_refused_at_submit(model):
             engine.submit([5, 6, 7], **kwargs)
     with pytest.raises(ValueError, match=f"outside the model's vocabulary of {VOCAB}: \\[{VOCAB}, -1\\]"):
         engine.submit([5, VOCAB, -1])
+    for kwargs, message in ((dict(priority=None), "priority must be an integer"), (dict(priority="1"), "priority"),
+                            (dict(priority=True), "priority"), (dict(tenant=""), "tenant must be"),
+                            (dict(tenant="__public__"), "other than '__public__'"), (dict(tenant=None), "tenant")):
+        with pytest.raises(ValueError, match=message):
+            engine.submit([5, 6, 7], **kwargs)
     assert engine.stats()["requests_rejected"] == 0 and engine.incoming.empty()
+    for prompt, message in ((torch.tensor([[5, 6], [7, 8]]), "one sequence of token ids, got a batch of 2"),
+                            ([5.0, 6.0], "integer token ids"), (["5", "6"], "integer token ids")):
+        with pytest.raises(ValueError, match=message):
+            engine.submit(prompt)
+    assert engine.incoming.empty()
+    assert engine.submit(torch.tensor([[5, 6, 7]])).request.prompt == [5, 6, 7]  # as a tokenizer returns it
+    assert engine.submit(np.array([5, 6, 7])).request.prompt == [5, 6, 7]
+    handle = engine.submit([5, 6, 7])
+    with pytest.raises(ValueError, match="outcome must be 'cancelled' or 'finished', got 'canceled'"):
+        engine.cancel(handle.request, outcome="canceled")
     engine.accepting = False
 
 
@@ -439,5 +454,46 @@ def test_a_request_larger_than_the_pool_fails_alone_and_clearly():
             outgrows.result(timeout=60)
         assert len(fine.result(timeout=60)) >= 1
     assert engine.stats()["requests_failed"] == 2
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def test_a_request_sharing_a_pinned_prefix_fits_beside_it():
+    """Pinned blocks the request inherits cost it nothing: only the pins of other prefixes shrink
+    what the pool can hold for it, and the refusal names them."""
+    from hf_paged_kv.engine import RequestFailed
+
+    model = make_model("llama", seed=9)
+    prefix, tail, other = prompts([32, 30, 62], seed=40)
+    with Engine(model, pool=KVPool(num_blocks=10, block_size=8, pin_budget=0.5), controller=False) as engine:
+        pin = hf_paged_kv.pin(model, prefix)  # 4 of the 10 blocks
+        shares = engine.submit(prefix + tail, max_new_tokens=2)  # 8 blocks, 4 of them the pinned ones
+        assert shares.result(timeout=60) == alone(model, prefix + tail, 2)
+        with pytest.raises(RequestFailed, match="8 blocks of 8.*10 blocks, 4 of them pinned"):
+            engine.submit(other, max_new_tokens=2).result(timeout=60)
+        hf_paged_kv.unpin(model, pin)
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def test_a_request_memory_turns_away_is_looked_up_once_not_every_step():
+    """While memory turns a request away, admission probes its cached prefix without inheriting
+    it: no lookup counted, no block touched, nothing fed to the hot-spot pins for each step it
+    waits."""
+    model = make_model("llama", seed=9)
+    prefix, first, long, second = prompts([24, 4, 20, 5], seed=50)
+    limits = Limits(watermark=0.9, max_running=4, max_batch_tokens=64)  # while one runs, 28 blocks stay free
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=8), limits=limits, controller=False) as engine:
+        engine.submit(prefix + first, max_new_tokens=1).result(timeout=60)  # leaves the prefix cached
+        before = engine.stats()["lookups"]
+        running = engine.submit(long, max_new_tokens=40, eos_token_id=[])
+        next(iter(running.stream()))
+        waiting = engine.submit(prefix + second, max_new_tokens=2)
+        assert len(running.result(timeout=60)) == 40
+        assert waiting.result(timeout=60) == alone(model, prefix + second, 2)
+        assert waiting.timings["admitted"] >= running.timings["finished"]  # it waited the whole decode
+        stats = engine.stats()
+    assert stats["lookups"] - before == 2, stats["lookups"] - before  # each request's admission, once
+    assert stats["blocks_pinned"] == 0
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)

@@ -222,6 +222,8 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"], extra
     assert httpx.post(url, json=base | {"frequency_penalty": 0, "logit_bias": {}}).status_code == 200  # neutral
+    public = httpx.post(url, json=base, headers={"X-Tenant": "__public__"})  # the namespace every tenant reads
+    assert public.status_code == 400 and "tenant must be" in public.json()["error"]["message"], public.text
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.completions.create(model=NAME, prompt="w05", n=2)
     with pytest.raises(openai.NotFoundError):
@@ -265,6 +267,10 @@ def test_a_chat_without_max_tokens_fills_a_pool_smaller_than_the_context():
     assert answer.status_code == 200, answer.text
     usage = answer.json()["usage"]
     assert usage["total_tokens"] == 128 and answer.json()["choices"][0]["finish_reason"] == "length"
+    with TestClient(create_app(engine, NAME)) as http:  # a prompt that alone fills the pool: told so
+        long = " ".join(f"w{10 + i % 50}" for i in range(130))
+        answer = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": long}]})
+    assert answer.status_code == 400 and answer.json()["error"]["code"] == "kv_pool_too_small", answer.text
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 

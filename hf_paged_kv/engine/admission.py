@@ -20,6 +20,7 @@ from ..pool import KVPool
 from ..sequence import Sequence
 from . import yielding
 from .costs import StepCosts
+from .prefix_probe import PrefixProbe
 from .preemption import Preemption
 from .request import Request
 from .scheduler import Scheduler
@@ -36,13 +37,16 @@ DEFERRED = 0  # `Admission._try`'s answer for such a chunk (a chunk it admits ha
 class Admission:
     def __init__(self, pool: KVPool, scheduler: Scheduler):
         self.pool, self.scheduler = pool, scheduler
-        self.model: str | None = None  # fingerprint of the weights, taken at each admitting step
+        self.prefixes = PrefixProbe(pool)
         self.costs = StepCosts()
         self.preemption = Preemption(pool, scheduler, self.costs)
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
-        self.digests: dict[int, tuple[tuple, list]] = {}  # request id -> (what it hashed, its digest pairs)
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
         self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
+
+    @property
+    def model(self) -> str | None:
+        return self.prefixes.model
 
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, metrics,
@@ -61,48 +65,50 @@ class Admission:
         this step's order is admitted; it starts in the first forward where no prompt ends
         before it (the running part's included) or its chunk is cheap enough. Running prefills
         are few and the order's aging bounds how often later arrivals go first, so that comes."""
-        admitted, blocked = [], None
-        target = self.scheduler.limits.ttft_target
-        # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
-        fit = target is not None and self.scheduler.waiting
-        per_token = self.costs.marginal_seconds_per_token() if fit else 0.0
-        if model is not None:
-            self.model = model
-        self.digests = {r.id: self.digests[r.id] for r in self.scheduler.waiting if r.id in self.digests}
-        for request in self._in_turn():
-            if not self.scheduler.room_for_more(budget):
-                break
-            if blocked is not None and request.effective_priority < blocked.effective_priority:
-                break
-            if self._waits_for_inflight(request):
-                continue  # another request is computing its prefix: inherit it next step
-            if self._never_fits(request):
-                self.on_impossible(request)
-                continue
-            whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
-            count = self._try(request, budget, whole)
-            if count is None and self._make_room(request, budget if whole else None, admitted, metrics):
-                count = self._try(request, budget, whole)
-            if count == DEFERRED:
-                break
-            if count is None:
-                if request.yielded and self._waiting_since(request) > time.monotonic():
-                    continue  # a decode that yielded its memory lets others pass while it has slack left
-                blocked = blocked or request
-                if time.monotonic() - self._waiting_since(blocked) >= self.scheduler.limits.backfill_wait:
+        with self.pool.locked():  # every probe and claim of this step sees one state of the pool
+            admitted, blocked = [], None
+            target = self.scheduler.limits.ttft_target
+            # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
+            fit = target is not None and self.scheduler.waiting
+            per_token = self.costs.marginal_seconds_per_token() if fit else 0.0
+            if model is not None:  # fingerprint of the weights, taken at each admitting step
+                self.prefixes.model = model
+            self.prefixes.keep_only(self.scheduler.waiting)
+            for request in self._in_turn():
+                if not self.scheduler.room_for_more(budget):
                     break
-                continue
-            self.scheduler.waiting.remove(request)
-            self.scheduler.running.append(request)
-            request.yielded = False
-            if request.admitted is None:  # a preempted request coming back inherits its own blocks
-                request.admitted = time.monotonic()
-                metrics.admitted(request)
-                self.on_admit(request.admitted - request.arrived)
-            admitted.append((request, count))
-            budget -= count
-            ends_prompts = ends_prompts or request.ends_prompt(count)
-        return admitted
+                if blocked is not None and request.effective_priority < blocked.effective_priority:
+                    break
+                if self._waits_for_inflight(request):
+                    continue  # another request is computing its prefix: inherit it next step
+                impossible = self._never_fits(request)
+                if impossible:
+                    self.on_impossible(request, impossible)
+                    continue
+                whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
+                count = self._try(request, budget, whole)
+                if count is None and self._make_room(request, budget if whole else None, admitted, metrics):
+                    count = self._try(request, budget, whole)
+                if count == DEFERRED:
+                    break
+                if count is None:
+                    if request.yielded and self._waiting_since(request) > time.monotonic():
+                        continue  # a decode that yielded its memory lets others pass while it has slack left
+                    blocked = blocked or request
+                    if time.monotonic() - self._waiting_since(blocked) >= self.scheduler.limits.backfill_wait:
+                        break
+                    continue
+                self.scheduler.waiting.remove(request)
+                self.scheduler.running.append(request)
+                request.yielded = False
+                if request.admitted is None:  # a preempted request coming back inherits its own blocks
+                    request.admitted = time.monotonic()
+                    metrics.admitted(request)
+                    self.on_admit(request.admitted - request.arrived)
+                admitted.append((request, count))
+                budget -= count
+                ends_prompts = ends_prompts or request.ends_prompt(count)
+            return admitted
 
     def _in_turn(self) -> list[Request]:
         """The waiting requests by priority, then by when their prompt would be in had it started
@@ -120,24 +126,25 @@ class Admission:
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
 
         def turn(request: Request) -> tuple[int, float]:
-            compute = self._uncached(request) * per_token
+            compute = self.prefixes.uncached(request) * per_token
             late = target is not None and not request.generated and now + compute > request.arrived + target
             return -request.effective_priority, request.arrived + compute + (LATE_YIELD * target if late else 0.0)
 
         return sorted(self.scheduler.waiting, key=turn)
 
-    def _uncached(self, request: Request) -> int:
-        """Tokens of the request not in cached blocks of the device pool, its own or published
-        (a probe: nothing is claimed)."""
-        tokens = request.tokens()
-        cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None,
-                                       self._digest_pairs(request))
-        return len(tokens) - cached["device"]
-
-    def _never_fits(self, request: Request) -> bool:
-        """Whether the request's tokens need more blocks than the pool has without its pins."""
-        pinned = self.pool.stats()["blocks_pinned"]
-        return -(-(len(request.tokens()) + 1) // self.pool.block_size) > self.pool.num_blocks - pinned
+    def _never_fits(self, request: Request) -> str | None:
+        """Why the request's tokens can never fit: more blocks than the pool holds besides the
+        pinned blocks it would not inherit (None when they fit)."""
+        size, total, pinned = self.pool.block_size, self.pool.num_blocks, self.pool.reuse.pins.pinned_blocks()
+        needed = -(-(len(request.tokens()) + 1) // size)
+        if needed <= total - len(pinned):
+            return None
+        others = len(pinned - set(self.prefixes.stored(request)[0]))  # a pinned prefix it shares costs it nothing
+        if needed <= total - others:
+            return None
+        pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""
+        return (f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV ({needed} blocks of {size}), "
+                f"more than the pool can hold: {total} blocks{pins}; use a larger KVPool or a shorter request")
 
     def _make_room(self, request: Request, whole_budget: int | None, admitted: list, metrics) -> bool:
         """For a new request that memory turned away and that can still meet its first-token
@@ -148,31 +155,15 @@ class Admission:
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
         if request.generated or target is None or self.pool.tiers.host is None:
             return False
-        prefix, stored = self._stored_prefix(request)
+        prefix, stored = self.prefixes.stored(request)
         if whole_budget is not None and len(request.tokens()) - stored > whole_budget:
             return False
-        if now + self._uncached(request) * self.costs.seconds_per_token() > request.arrived + target:
+        if now + self.prefixes.uncached(request) * self.costs.seconds_per_token() > request.arrived + target:
             return False
         victims = self.scheduler.yielders(request, prefix, {r for r, _ in admitted}, self.costs.step_seconds(), now)
         for victim in victims:
             metrics.preempted(self.preemption.preempt(victim, yielding=True), yielding=True)
         return bool(victims)
-
-    def _stored_prefix(self, request: Request) -> tuple[list[int], int]:
-        """`(device blocks, tokens)` of the cached prefix that inheriting would store: its blocks in
-        any tier up to the block before the request's last token, and of those the ones in the
-        device pool (a probe: nothing is referenced, touched or moved)."""
-        now, lookup, tiers = self.pool.policy.now(), self.pool.reuse.index.lookup, self.pool.tiers
-        blocks, stored = [], 0
-        for mine, published in self._chain_pairs(request):
-            block = lookup(mine, now)
-            block = lookup(published, now) if block is None else block
-            if block is not None:
-                blocks.append(block)
-            elif not (tiers.has(mine) or tiers.has(published)):
-                break
-            stored += self.pool.block_size
-        return blocks, stored
 
     def _waiting_since(self, request: Request) -> float:
         """When the request began to wait for its turn: its arrival, or for a decode that yielded
@@ -189,10 +180,14 @@ class Admission:
         moved) when `whole` and a new prompt's uncached part does not fit in `budget`."""
         tokens = request.tokens()
         with self.pool.locked():
-            if whole and not request.generated:
-                prefix, stored = self._stored_prefix(request)
-                if len(tokens) - stored > budget:
-                    return DEFERRED if self.scheduler.shortfall_inheriting(request, prefix) <= 0 else None
+            prefix, stored = self.prefixes.stored(request)
+            # probed first: inheriting counts a lookup, touches the blocks, feeds the hot-spot pins
+            # and promotes from the tiers, which a request that memory turns away every step must not
+            fits = self.scheduler.shortfall_inheriting(request, prefix) <= 0
+            if whole and not request.generated and len(tokens) - stored > budget:
+                return DEFERRED if fits else None
+            if not fits:
+                return None
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
                 lambda digest, after: self.pool.promote(digest, self.model, after))
@@ -227,40 +222,19 @@ class Admission:
             return self.pool.promote(digest, self.model, after) if self.pool.num_free() > keep_free else None
 
         brought = 0
-        for request in self._in_turn()[:depth]:
-            with self.pool.locked():
+        with self.pool.locked():
+            for request in self._in_turn()[:depth]:
                 brought += self.pool.reuse.bring_back(self.model, request.tenant, np.asarray(request.tokens()),
                                                       promote)
         return brought
 
     # ---------------------------------------------------- shared prefixes
-    def _digest_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
-        """The digests of the request's full blocks, its tenant's and the published ones, hashed
-        once per request and length (every step orders the whole queue: hashing a 1000-token
-        prompt takes about 90 us)."""
-        tokens = request.tokens()
-        key = (len(tokens), self.model, request.tenant)
-        kept = self.digests.get(request.id)
-        if kept is None or kept[0] != key:
-            pairs = self.pool.reuse.index.digest_pairs(self.model, request.tenant, tokens,
-                                                       len(tokens) // self.pool.block_size)
-            kept = self.digests[request.id] = key, pairs
-        return kept[1]
-
-    def _chain_pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
-        """The digest pairs of the request's full blocks before its last token."""
-        return self._digest_pairs(request)[: (len(request.tokens()) - 1) // self.pool.block_size]
-
-    def _chain(self, request: Request) -> list[bytes]:
-        """The tenant's digests of the request's full blocks before its last token."""
-        return [own for own, _ in self._chain_pairs(request)]
-
     def _waits_for_inflight(self, request: Request) -> bool:
-        return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self._chain(request))
+        return bool(self.scheduler.inflight) and self.scheduler.waits_for_inflight(self.prefixes.chain(request))
 
     def _register_inflight(self, request: Request) -> None:
         computed_blocks = request.sequence.length // self.pool.block_size
-        for digest in self._chain(request)[computed_blocks:]:
+        for digest in self.prefixes.chain(request)[computed_blocks:]:
             self.scheduler.inflight.setdefault(digest, request)
 
     def indexed(self, batch: list[tuple[Request, int]]) -> None:

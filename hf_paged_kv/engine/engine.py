@@ -17,11 +17,13 @@ The pool, its reuse index, pins and tiers are the ones `generate` uses, so the e
 from __future__ import annotations
 
 import logging
+import operator
 import queue
 import threading
 import time
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ..advisor import Advice, advise_block_size
@@ -70,9 +72,7 @@ class Engine:
         self.metrics = EngineMetrics()
         self.load = LoadControl(self, controller, slo or SLO(), thresholds)
         self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
-        self.admission.on_impossible = lambda request: self._end(request, "failed", RequestFailed(
-            f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV, more than the pool can hold "
-            f"({self.pool.num_blocks} blocks of {self.pool.block_size}); use a larger KVPool or a shorter request"))
+        self.admission.on_impossible = lambda request, reason: self._end(request, "failed", RequestFailed(reason))
         self.incoming: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
@@ -134,9 +134,8 @@ class Engine:
         return RequestHandle(request, self)
 
     def cancel(self, request: Request, outcome: str = "cancelled") -> None:
-        # the first outcome asked for stands: a stream closed after its stop string matched
-        # (finished) cancels again, and that must not count the request as cancelled
-        request.cancel_requested = request.cancel_requested or outcome
+        """Stop a request (`RequestHandle.cancel` and `finish` call this)."""
+        request.ask_to_stop(outcome)
         self.cancelled.put(request)
         self.wakeup.set()
 
@@ -154,16 +153,23 @@ class Engine:
                     continue
             except Exception as error:  # noqa: BLE001 - a step that fails must not leave requests waiting forever
                 log.exception("the engine's step failed: every request running or waiting fails, the engine goes on")
-                for request in self.scheduler.waiting + self.scheduler.running:
-                    self._end(request, "failed", RequestFailed(f"the engine's step failed: {error!r}"))
+                self._end_all("failed", f"the engine's step failed: {error!r}")
             if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
                 openmp.release_workers()
                 idle = True
             self.wakeup.wait(IDLE_WAIT)
             self.wakeup.clear()
         self._intake()  # requests queued just before stop() stopped accepting
+        self._end_all("cancelled")
+
+    def _end_all(self, outcome: str, reason: str | None = None) -> None:
+        """End every waiting and running request (failed for `reason`, if given); one that fails
+        to end keeps no other open."""
         for request in self.scheduler.waiting + self.scheduler.running:
-            self._end(request, "cancelled")
+            try:
+                self._end(request, outcome, reason and RequestFailed(reason))
+            except Exception:  # noqa: BLE001 - its stream is closed (see _end); the others must end too
+                log.exception("ending request %d failed", request.id)
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()
@@ -247,16 +253,18 @@ class Engine:
 
     def _end(self, request: Request, outcome: str, error: BaseException | None = None) -> None:
         """Release the request's blocks (full ones stay cached) and close its stream."""
-        self.scheduler.remove(request)
-        if request.sequence.blocks:
-            self.pool.decref(request.sequence.blocks)
-        request.sequence, request.swapped = Sequence(), None
-        request.outcome, request.finished = outcome, time.monotonic()
-        self.metrics.ended(request, outcome)
-        if outcome == "finished":
-            self.load.finished(request)
-            self.admission.lengths.append(len(request.prompt) + len(request.generated))
-        request.stream.close(error)
+        try:
+            self.scheduler.remove(request)
+            if request.sequence.blocks:
+                self.pool.decref(request.sequence.blocks)
+            request.sequence, request.swapped = Sequence(), None
+            request.outcome, request.finished = outcome, time.monotonic()
+            self.metrics.ended(request, outcome)
+            if outcome == "finished":
+                self.load.finished(request)
+                self.admission.lengths.append(len(request.prompt) + len(request.generated))
+        finally:  # whatever failed above, its reader must not wait forever
+            request.stream.close(error)
 
     def turn_away(self, request: Request) -> None:
         """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
@@ -284,10 +292,7 @@ class Engine:
 
     def prometheus(self) -> str:
         """The metrics in Prometheus' text exposition format."""
-        self.metrics.running.set(len(self.scheduler.running))
-        self.metrics.waiting.set(len(self.scheduler.waiting) + self.incoming.qsize())
-        self.metrics.observe_pool(self.pool.stats())
-        self.metrics.observe_service(self.load.stats())
+        self.metrics.observe(self.stats())
         return self.metrics.text()
 
 
@@ -296,7 +301,15 @@ def _prompt_ids(prompt, tokenizer, vocabulary: int) -> list[int]:
         if tokenizer is None:
             raise ValueError("a text prompt needs Engine(tokenizer=...)")
         prompt = tokenizer(prompt)["input_ids"]
-    ids = [int(t) for t in (prompt.tolist() if torch.is_tensor(prompt) else prompt)]
+    ids = prompt.tolist() if torch.is_tensor(prompt) or isinstance(prompt, np.ndarray) else list(prompt)
+    if ids and isinstance(ids[0], list):  # [1, n], as a tokenizer returns it
+        if len(ids) != 1:
+            raise ValueError(f"the prompt must be one sequence of token ids, got a batch of {len(ids)}: submit each")
+        ids = ids[0]
+    try:
+        ids = [operator.index(t) for t in ids]
+    except TypeError:
+        raise ValueError("the prompt must be text or a sequence of integer token ids") from None
     if not ids:
         raise ValueError("the prompt is empty")
     outside = [t for t in ids if not 0 <= t < vocabulary]

@@ -110,14 +110,14 @@ class EngineMetrics:
         self.preemptions.labels(mode, "first_token" if yielding else "memory").inc()
 
     # ----------------------------------------------------------- levels
-    def observe_pool(self, stats: dict) -> None:
-        total = max(stats["num_blocks"], 1)
-        self.kv_usage.set(stats["blocks_used"] / total)
+    def observe(self, stats: dict) -> None:
+        """Set the gauges from `Engine.stats()`."""
+        self.running.set(stats["requests_running"])
+        self.waiting.set(stats["requests_waiting"])
+        self.kv_usage.set(stats["blocks_used"] / max(stats["num_blocks"], 1))
         for state in ("free", "used", "cached"):
             self.blocks.labels(state).set(stats[f"blocks_{state}"])
         self.host_blocks.set(stats.get("host_blocks_used", 0))
-
-    def observe_service(self, stats: dict) -> None:
         self.goodput.set(stats["goodput"])
         self.availability.set(stats["availability"])
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import PagedKVError
+from ..reuse.prefix_index import PUBLIC_TENANT
 from ..sequence import Sequence
 
 _ids = itertools.count(1)
@@ -154,6 +155,26 @@ class Request:
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
     swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
     yielded: bool = False  # waiting after making room for another's first token (see `yielding`)
+
+    def __post_init__(self):
+        # checked in the submitter's thread: a bad value found by the engine's thread would fail
+        # every request of the step that met it
+        if not isinstance(self.tenant, str) or not self.tenant or self.tenant == PUBLIC_TENANT:
+            raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {self.tenant!r}")
+        try:
+            if isinstance(self.priority, bool):
+                raise TypeError
+            self.priority = operator.index(self.priority)
+        except TypeError:
+            raise ValueError(f"priority must be an integer, got {self.priority!r}") from None
+
+    def ask_to_stop(self, outcome: str) -> None:
+        """A caller's wish to stop it: "cancelled", or "finished" when it has what it wants. The
+        first wish stands: a stream closed after its stop string matched (finished) is cancelled
+        again, and that must not count the request as cancelled."""
+        if outcome not in ("cancelled", "finished"):
+            raise ValueError(f"outcome must be 'cancelled' or 'finished', got {outcome!r}")
+        self.cancel_requested = self.cancel_requested or outcome
 
     def tokens(self) -> list[int]:
         """The prompt and every generated token: what the sequence must hold before the next

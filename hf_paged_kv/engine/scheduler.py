@@ -30,6 +30,9 @@ from . import yielding
 from .request import Request
 
 
+POOL_SHARE_CLIP = 8  # a request's growth reserve counts at most 1/8 of the pool (see Scheduler._growth)
+
+
 @dataclass
 class Limits:
     """The scheduler's knobs (the load controller moves some of them)."""
@@ -47,9 +50,13 @@ class Limits:
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted
+    # the most of a request's remaining max_new_tokens the reserve counts (as SGLang clips it): a
+    # server's default of "the rest of the context" would reserve thousands of tokens per request
+    # for outputs that mostly stop early; a sequence that does outgrow its reserve preempts another
+    growth_clip: int = 4096
 
     def __post_init__(self):
-        for name in ("max_running", "max_batch_tokens"):
+        for name in ("max_running", "max_batch_tokens", "growth_clip"):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_waiting", "backfill_wait", "prefetch_depth", "growth_ratio_decay"):
@@ -108,7 +115,11 @@ class Scheduler:
         return int(sum(self._growth(request) for request in self.running)) + len(self.running)
 
     def _growth(self, request: Request) -> float:
-        to_generate = request.params.max_new_tokens - len(request.generated)
+        """Blocks the request may still need: its unfed tokens, and `growth_ratio` of what it may
+        still generate, counted up to `Limits.growth_clip` tokens and an eighth of the pool (more
+        would leave room for fewer than eight requests' reserves: a static reservation)."""
+        clip = min(self.limits.growth_clip, self.pool.num_blocks * self.pool.block_size // POOL_SHARE_CLIP)
+        to_generate = min(request.params.max_new_tokens - len(request.generated), clip)
         return (request.remaining + self.growth_ratio * to_generate) / self.pool.block_size
 
     def shortfall(self, request: Request, inherited_blocks: int) -> int:

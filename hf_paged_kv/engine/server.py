@@ -416,6 +416,8 @@ class OpenAIServer:
         pool = self.engine.pool
         fits = pool.num_blocks * pool.block_size  # what one request can hold, when less than the context
         room = min(self.context if self.context is not None else 256 + prompt_length, fits) - prompt_length
+        if room < 1:  # the prompt alone fills the context or the pool: say which
+            self.check_length(prompt_length, 1)
         return min(room, self.default_max_tokens) if self.default_max_tokens else room
 
     @staticmethod
@@ -566,7 +568,7 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
         return model_card(server)
 
     @app.get("/metrics")
-    async def metrics():
+    def metrics():  # not async: the pool's lock may be held by a step, and the event loop must not wait on it
         return Response(engine.prometheus(), media_type=PROMETHEUS_CONTENT_TYPE)
 
     @app.get("/health")

@@ -44,8 +44,14 @@ class Signals:
         self.current = dict.fromkeys(LEVELS, 0.0)
 
     def record(self, event: str, value: float = 1.0, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
         with self.lock:
-            self.events[event].append((self.clock() if now is None else now, value))
+            events = self.events[event]
+            events.append((now, value))
+            # forgotten here too: without a controller nothing reads, and the history would grow
+            # by every request an engine ever served
+            while events[0][0] < now - max(self.windows.values()):
+                events.popleft()
 
     def sample_levels(self, values: dict[str, float], now: float | None = None) -> None:
         """Fold the current levels into each window's moving average."""
