@@ -208,12 +208,16 @@ class RequestHandle:
         return self.request.id
 
     def result(self, timeout: float | None = None) -> list[int]:
-        """The generated token ids (prompt excluded), once the request is done."""
-        if not self.request.stream.wait_done(timeout):
+        """The generated token ids (prompt excluded), once the request is done. Raises the error
+        it ended with (`RequestFailed`: its `tokens` are those generated before it failed)."""
+        stream = self.request.stream
+        if not stream.wait_done(timeout):
             raise TimeoutError(f"request {self.id} not done after {timeout} s")
-        if self.request.stream.error is not None:
-            raise self.request.stream.error
-        return list(self.request.stream.tokens)
+        if stream.error is not None:
+            if isinstance(stream.error, RequestFailed):
+                stream.error.tokens = list(stream.tokens)
+            raise stream.error
+        return list(stream.tokens)
 
     def stream(self):
         """Iterate over the generated token ids as the engine produces them."""
@@ -250,4 +254,9 @@ class RequestHandle:
 
 
 class RequestFailed(PagedKVError):
-    """The engine could not complete the request (the message says why)."""
+    """The engine could not complete the request (the message says why). `tokens`: what it
+    generated before it failed, as `RequestHandle.result` raises it (streamed ones stay streamed)."""
+
+    def __init__(self, message: str, tokens: list[int] | None = None):
+        super().__init__(message)
+        self.tokens = list(tokens or [])
