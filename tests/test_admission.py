@@ -216,6 +216,7 @@ def test_a_lower_priority_never_passes_a_blocked_request():
     (64, Limits(), 1 + int(0.7 * (64 * 4 // 8) / 4)),  # an eighth of the pool: 32 tokens counted
     (4096, Limits(growth_clip=40), 1 + int(0.7 * 40 / 4)),  # the clip: 40 tokens counted
     (16384, Limits(), 1 + int(0.7 * 4000 / 4)),  # below both: what it may still generate
+    (64, Limits(growth_clip=None), 1 + int(0.7 * 4000 / 4)),  # no clip
 ])
 def test_the_growth_reserve_counts_a_bounded_share_of_max_new_tokens(num_blocks, limits, reserved):
     """A request asking for the rest of a long context (a server's default) reserves at most

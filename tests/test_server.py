@@ -269,8 +269,11 @@ def test_a_chat_without_max_tokens_fills_a_pool_smaller_than_the_context():
     assert usage["total_tokens"] == 128 and answer.json()["choices"][0]["finish_reason"] == "length"
     with TestClient(create_app(engine, NAME)) as http:  # a prompt that alone fills the pool: told so
         long = " ".join(f"w{10 + i % 50}" for i in range(130))
-        answer = http.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": long}]})
-    assert answer.status_code == 400 and answer.json()["error"]["code"] == "kv_pool_too_small", answer.text
+        answer = http.post("/v1/chat/completions",
+                           json={"model": NAME, "messages": [{"role": "user", "content": long}]})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["code"] == "kv_pool_too_small", answer.text
+    assert error["param"] == "messages" and "fills the KV pool (128 tokens" in error["message"]
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 

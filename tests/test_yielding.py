@@ -218,7 +218,8 @@ def engine_outputs(controller: bool, host_blocks: int | None = 16, cancel_long: 
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
                              max_new_tokens=new, do_sample=False)
         expected.append(out[0, len(prompt):].tolist())
-    limits = Limits(max_batch_tokens=64, growth_ratio_init=1.0, growth_ratio_min=1.0)  # reserve all it may generate
+    limits = Limits(max_batch_tokens=64, growth_ratio_init=1.0, growth_ratio_min=1.0,
+                    growth_clip=None)  # reserve all it may generate
     pool = KVPool(num_blocks=40, block_size=4, host_blocks=host_blocks, pin_budget=0.0,
                   hot_threshold=None)  # every block for the two requests
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=SLO(ttft=30.0, per_token=30.0))

@@ -1,8 +1,11 @@
 """Admitting requests into the pool.
 
-Admission inherits the request's longest cached prefix (device blocks, or blocks promoted from
-the host or disk tier), checks the scheduler's memory rule, allocates the first chunk and records
-which blocks the request will compute, so that requests sharing that prefix wait and inherit it.
+Admission probes the request's longest cached prefix (`PrefixProbe`: device blocks, and blocks
+in the host or disk tier), checks the scheduler's memory rule on it, and only then inherits it
+(promoting blocks from the tiers), allocates the first chunk and records which blocks the request
+will compute, so that requests sharing that prefix wait and inherit it. A request that memory
+turns away is probed at every step but inherits nothing: no lookup counted, no block touched,
+nothing fed to the hot-spot pins.
 A preempted request coming back gets its swapped partial block back (`preemption`). With both
 latency targets and a host tier, a new request that memory turns away while it can still meet
 its first-token target has running decodes with slack swapped out for it (`yielding`).
@@ -42,7 +45,7 @@ class Admission:
         self.preemption = Preemption(pool, scheduler, self.costs)
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
-        self.on_impossible = lambda request: None  # the engine fails a request no pool state could hold
+        self.on_impossible = lambda request, reason: None  # the engine fails a request no pool state could hold
 
     @property
     def model(self) -> str | None:
@@ -65,7 +68,7 @@ class Admission:
         this step's order is admitted; it starts in the first forward where no prompt ends
         before it (the running part's included) or its chunk is cheap enough. Running prefills
         are few and the order's aging bounds how often later arrivals go first, so that comes."""
-        with self.pool.locked():  # every probe and claim of this step sees one state of the pool
+        with self.pool.locked():  # no other thread changes the pool between this step's probes and claims
             admitted, blocked = [], None
             target = self.scheduler.limits.ttft_target
             # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
@@ -74,6 +77,7 @@ class Admission:
             if model is not None:  # fingerprint of the weights, taken at each admitting step
                 self.prefixes.model = model
             self.prefixes.keep_only(self.scheduler.waiting)
+            pinned = self.pool.reuse.pins.pinned_blocks()
             for request in self._in_turn():
                 if not self.scheduler.room_for_more(budget):
                     break
@@ -81,7 +85,7 @@ class Admission:
                     break
                 if self._waits_for_inflight(request):
                     continue  # another request is computing its prefix: inherit it next step
-                impossible = self._never_fits(request)
+                impossible = self._why_never_fits(request, pinned)
                 if impossible:
                     self.on_impossible(request, impossible)
                     continue
@@ -132,10 +136,10 @@ class Admission:
 
         return sorted(self.scheduler.waiting, key=turn)
 
-    def _never_fits(self, request: Request) -> str | None:
+    def _why_never_fits(self, request: Request, pinned: set[int]) -> str | None:
         """Why the request's tokens can never fit: more blocks than the pool holds besides the
-        pinned blocks it would not inherit (None when they fit)."""
-        size, total, pinned = self.pool.block_size, self.pool.num_blocks, self.pool.reuse.pins.pinned_blocks()
+        `pinned` blocks it would not inherit (None when they fit)."""
+        size, total = self.pool.block_size, self.pool.num_blocks
         needed = -(-(len(request.tokens()) + 1) // size)
         if needed <= total - len(pinned):
             return None
@@ -191,7 +195,7 @@ class Admission:
             blocks, length = self.pool.reuse.inherit(
                 self.model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
                 lambda digest, after: self.pool.promote(digest, self.model, after))
-            if not self.scheduler.admissible(request, len(blocks)):
+            if not self.scheduler.admissible(request, len(blocks)):  # the probe's answer, unless a promotion failed
                 self.pool.decref(blocks)
                 return None
             request.sequence = Sequence(blocks=blocks, length=length, tokens=tokens[:length],

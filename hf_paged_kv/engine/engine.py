@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..advisor import Advice, advise_block_size
-from ..errors import Overloaded, PagedKVError, PoolExhaustedError
+from ..errors import Overloaded, PagedKVError
 from ..integration import current_fingerprint, enable, state_of
 from ..pool import KVPool
 from ..sequence import Sequence
@@ -159,8 +159,10 @@ class Engine:
                 idle = True
             self.wakeup.wait(IDLE_WAIT)
             self.wakeup.clear()
-        self._intake()  # requests queued just before stop() stopped accepting
-        self._end_all("cancelled")
+        try:
+            self._intake()  # requests queued just before stop() stopped accepting
+        finally:
+            self._end_all("cancelled")
 
     def _end_all(self, outcome: str, reason: str | None = None) -> None:
         """End every waiting and running request (failed for `reason`, if given); one that fails
@@ -190,12 +192,7 @@ class Engine:
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
         batch = self.scheduler.continuing(self.limits.max_batch_tokens)
-        try:
-            batch = self.scheduler.grow(batch, self._preempt)
-        except PoolExhaustedError as error:  # nothing left to preempt: the request cannot fit at all
-            for request, _ in batch:
-                self._end(request, "failed", RequestFailed(f"request {request.id} does not fit in the pool: {error}"))
-            return True
+        batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted
             self.metrics.count("tokens_prefetched", self.admission.prefetch(self.limits.prefetch_depth,
                                                                             self.limits.prefetch_watermark))
@@ -263,7 +260,8 @@ class Engine:
             if outcome == "finished":
                 self.load.finished(request)
                 self.admission.lengths.append(len(request.prompt) + len(request.generated))
-        finally:  # whatever failed above, its reader must not wait forever
+        finally:  # whatever failed above, it has ended and its reader must not wait forever
+            request.outcome = request.outcome or outcome
             request.stream.close(error)
 
     def turn_away(self, request: Request) -> None:

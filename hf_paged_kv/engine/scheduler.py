@@ -4,7 +4,8 @@ Every step takes, within a token budget: the decode step of every running sequen
 next chunk of the prefills in progress, then new requests. A new request is admitted only if
 the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
 sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
-which decays while memory holds and is reset by a preemption (SGLang's rule) – and never in a
+which decays while memory holds and is reset by a preemption (SGLang's rule), each request's
+counted up to `Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool – and never in a
 step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
 first with aging, and, given a time-to-first-token target, those that can still meet it before
 those that cannot, and in a forward that already ends prompts no other prompt starts with a
@@ -30,7 +31,7 @@ from . import yielding
 from .request import Request
 
 
-POOL_SHARE_CLIP = 8  # a request's growth reserve counts at most 1/8 of the pool (see Scheduler._growth)
+MAX_GROWTH_SHARE = 0.125  # of the pool: the most one request's growth reserve counts (see Scheduler._growth)
 
 
 @dataclass
@@ -52,12 +53,13 @@ class Limits:
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted
     # the most of a request's remaining max_new_tokens the reserve counts (as SGLang clips it): a
     # server's default of "the rest of the context" would reserve thousands of tokens per request
-    # for outputs that mostly stop early; a sequence that does outgrow its reserve preempts another
-    growth_clip: int = 4096
+    # for outputs that mostly stop early; a sequence that does outgrow its reserve preempts another.
+    # None: no clip, neither this one nor MAX_GROWTH_SHARE (a static reservation, with ratio 1)
+    growth_clip: int | None = 4096
 
     def __post_init__(self):
         for name in ("max_running", "max_batch_tokens", "growth_clip"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("max_waiting", "backfill_wait", "prefetch_depth", "growth_ratio_decay"):
             if getattr(self, name) < 0:
@@ -116,10 +118,12 @@ class Scheduler:
 
     def _growth(self, request: Request) -> float:
         """Blocks the request may still need: its unfed tokens, and `growth_ratio` of what it may
-        still generate, counted up to `Limits.growth_clip` tokens and an eighth of the pool (more
-        would leave room for fewer than eight requests' reserves: a static reservation)."""
-        clip = min(self.limits.growth_clip, self.pool.num_blocks * self.pool.block_size // POOL_SHARE_CLIP)
-        to_generate = min(request.params.max_new_tokens - len(request.generated), clip)
+        still generate, counted up to `Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool
+        (more would leave room for fewer than eight requests' reserves: a static reservation)."""
+        to_generate = request.params.max_new_tokens - len(request.generated)
+        if self.limits.growth_clip is not None:
+            pool_tokens = self.pool.num_blocks * self.pool.block_size
+            to_generate = min(to_generate, self.limits.growth_clip, int(MAX_GROWTH_SHARE * pool_tokens))
         return (request.remaining + self.growth_ratio * to_generate) / self.pool.block_size
 
     def shortfall(self, request: Request, inherited_blocks: int) -> int:

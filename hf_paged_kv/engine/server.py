@@ -416,8 +416,11 @@ class OpenAIServer:
         pool = self.engine.pool
         fits = pool.num_blocks * pool.block_size  # what one request can hold, when less than the context
         room = min(self.context if self.context is not None else 256 + prompt_length, fits) - prompt_length
-        if room < 1:  # the prompt alone fills the context or the pool: say which
-            self.check_length(prompt_length, 1)
+        if room < 1:
+            where = "context" if self.context is not None and prompt_length >= self.context else "KV pool"
+            raise invalid(f"the prompt alone ({prompt_length} tokens) fills the {where} ({prompt_length + room} tokens "
+                          "a request can hold): shorten the messages", "messages",
+                          "context_length_exceeded" if where == "context" else "kv_pool_too_small")
         return min(room, self.default_max_tokens) if self.default_max_tokens else room
 
     @staticmethod
