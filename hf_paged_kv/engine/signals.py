@@ -46,12 +46,10 @@ class Signals:
     def record(self, event: str, value: float = 1.0, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         with self.lock:
-            events = self.events[event]
-            events.append((now, value))
+            self.events[event].append((now, value))
             # forgotten here too: without a controller nothing reads, and the history would grow
             # by every request an engine ever served
-            while events[0][0] < now - max(self.windows.values()):
-                events.popleft()
+            self._trim(self.events[event], now)
 
     def sample_levels(self, values: dict[str, float], now: float | None = None) -> None:
         """Fold the current levels into each window's moving average."""
@@ -101,10 +99,14 @@ class Signals:
         return np.array([v for t, v in self.events[event] if t >= since], dtype=float)
 
     def _forget(self, now: float) -> None:
-        horizon = now - max(self.windows.values())
         for events in self.events.values():
-            while events and events[0][0] < horizon:
-                events.popleft()
+            self._trim(events, now)
+
+    def _trim(self, events: deque, now: float) -> None:
+        """Drop the events older than the long window."""
+        horizon = now - max(self.windows.values())
+        while events and events[0][0] < horizon:
+            events.popleft()
 
 
 def _p95(values: np.ndarray) -> float:
