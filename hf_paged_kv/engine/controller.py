@@ -34,7 +34,8 @@ is already late), and a forward that already ends prompts starts no other with a
 that would delay their first tokens by more than a tenth of the target. It also sets
 `Limits.per_token_target` from `SLO.per_token`: with a host tier, running decodes with slack
 against it yield their memory to first tokens (`yielding`); those preemptions are chosen, not
-memory running out, and do not count as pressure.
+memory running out, and do not count as pressure. And forwards that carry decodes hold only the
+prompt tokens those decodes can afford against the target (`pacing`).
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

@@ -45,6 +45,17 @@ class StepCosts:
             self.slope = min(max(slope, 0.0), self.seconds_per_token())
         return self.slope
 
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most tokens one step can hold and still take at most `seconds`, on the line of
+        slope `marginal_seconds_per_token` through the recent steps' mean (its intercept is the
+        fixed cost of a step); None before a slope is fitted. May be 0 or less: the fixed cost
+        alone takes longer."""
+        slope, steps = self.marginal_seconds_per_token(), self.steps()
+        if slope <= 0.0 or not steps:
+            return None
+        fixed = max(0.0, np.mean([s for _, s in steps]) - slope * np.mean([t for t, _ in steps]))
+        return int((seconds - fixed) / slope)
+
     def step_seconds(self) -> float:
         """The mean duration of the recent steps (0.0 before any)."""
         steps = self.steps()

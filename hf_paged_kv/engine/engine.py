@@ -31,7 +31,7 @@ from ..errors import Overloaded, PagedKVError
 from ..integration import current_fingerprint, enable, state_of
 from ..pool import KVPool
 from ..sequence import Sequence
-from . import openmp, runner
+from . import openmp, pacing, runner
 from .admission import Admission
 from .controller import SLO, Thresholds
 from .load import LoadControl
@@ -191,12 +191,13 @@ class Engine:
             return False
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
-        batch = self.scheduler.continuing(self.limits.max_batch_tokens)
+        budget = pacing.step_budget(self.scheduler.running, self.limits, self.admission.costs, time.monotonic())
+        batch = self.scheduler.continuing(budget)
         batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted
             self.metrics.count("tokens_prefetched", self.admission.prefetch(self.limits.prefetch_depth,
                                                                             self.limits.prefetch_watermark))
-            budget = self.limits.max_batch_tokens - sum(n for _, n in batch)
+            budget -= sum(n for _, n in batch)
             ends_prompts = any(request.ends_prompt(n) for request, n in batch)
             admitted = self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0)
                                             if self.scheduler.waiting else None, self.metrics, ends_prompts)
