@@ -1,6 +1,6 @@
 """A forward carrying decodes holds no more prefill than they can afford against their per-token
-target: the budget follows the decodes' slack on the fitted cost line, and an engine that paces
-still gives `generate`'s tokens."""
+target: the budget follows the decodes' slack on the fitted cost line, prompts still advance,
+and an engine that paces still gives `generate`'s tokens."""
 
 from __future__ import annotations
 
@@ -13,8 +13,11 @@ from test_yielding import decoding
 
 from hf_paged_kv import Engine, KVPool
 from hf_paged_kv.engine.costs import StepCosts
-from hf_paged_kv.engine.pacing import MARGIN, step_budget
+from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, step_budget
 from hf_paged_kv.engine.scheduler import Limits
+
+TARGET = 0.3
+LIMITS = Limits(max_batch_tokens=512, per_token_target=TARGET)
 
 
 def costs_of(fixed: float, per_token: float) -> StepCosts:
@@ -22,6 +25,13 @@ def costs_of(fixed: float, per_token: float) -> StepCosts:
     for tokens in (4, 40, 120, 250, 8, 60):
         costs.record(tokens, fixed + per_token * tokens)
     return costs
+
+
+def started(tokens: int, since: float, last: float, now: float):
+    """A decode with `tokens` generated, the first `since` and the last `last` seconds before `now`."""
+    request = decoding(tokens, since=since, now=now)
+    request.last_token = now - last
+    return request
 
 
 def test_tokens_within_reads_the_fitted_line():
@@ -32,60 +42,79 @@ def test_tokens_within_reads_the_fitted_line():
     alike = StepCosts()
     alike.record(10, 0.1)
     alike.record(12, 0.1)
-    assert alike.tokens_within(1.0) is None  # no spread of step sizes: no slope
+    assert alike.tokens_within(1.0) == pytest.approx(1.0 / (0.2 / 22), abs=1)  # no slope: the mean cost per token
 
 
-def test_a_fresh_decode_caps_the_forward_at_its_target():
+def test_the_allowance_is_the_time_to_the_targets_pace_or_one_target_since_the_last_token():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
-    limits = Limits(max_batch_tokens=512, per_token_target=0.3)
-    fresh = decoding(1, since=0.0, now=now)  # its first token just came: its second is due within 0.3 s
-    assert step_budget([fresh], limits, costs, now) == costs.tokens_within(MARGIN * 0.3)
-    assert step_budget([fresh], limits, costs, now) < 512
+    fresh = started(1, since=0.0, last=0.0, now=now)  # its second token is due within one target
+    assert step_budget([fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    paced = started(3, since=0.5, last=0.1, now=now)  # 3 tokens: the 4th due 0.9 s after the first, 0.4 s from now
+    assert step_budget([paced], True, LIMITS, costs, now) == pytest.approx(290, abs=1)  # n - 1: 120, n + 1: 512
+    behind = started(5, since=3.0, last=0.1, now=now)  # behind its pace: one target since its last token
+    assert step_budget([behind], True, LIMITS, costs, now) == pytest.approx(costs.tokens_within(MARGIN * 0.2), abs=1)
 
 
-def test_decodes_ahead_of_their_target_cap_nothing():
+def test_requests_ahead_of_their_target_cap_nothing_and_the_tightest_sets_the_budget():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
-    limits = Limits(max_batch_tokens=512, per_token_target=0.3)
-    ahead = decoding(40, since=2.0, now=now)  # 40 tokens in 2 s: 10 s of its target's pace left
-    assert step_budget([ahead], limits, costs, now) == 512
-    behind = decoding(5, since=3.0, now=now)  # already behind: it may still have one target per step
-    assert step_budget([ahead, behind], limits, costs, now) == costs.tokens_within(MARGIN * 0.3)
+    ahead = started(40, since=2.0, last=0.05, now=now)  # 40 tokens in 2 s: 10 s of its target's pace left
+    assert step_budget([ahead], True, LIMITS, costs, now) == 512
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    assert step_budget([ahead, fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
-def test_without_a_target_or_decodes_the_budget_is_the_configured_one():
+def test_a_request_without_a_first_token_caps_nothing_one_recomputing_after_its_first_does():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
-    fresh = decoding(1, since=0.0, now=now)
-    assert step_budget([fresh], Limits(max_batch_tokens=512), costs, now) == 512
-    prefilling = decoding(1, since=0.0, now=now)
-    prefilling.computed -= 4  # still feeding its prompt: not a decode
-    assert step_budget([prefilling], Limits(max_batch_tokens=512, per_token_target=0.3), costs, now) == 512
-    assert step_budget([fresh], Limits(max_batch_tokens=512, per_token_target=0.3), StepCosts(), now) == 512
+    prefilling = decoding(0, since=0.0, now=now)
+    prefilling.first_token, prefilling.computed = None, 4  # still feeding its prompt
+    assert step_budget([prefilling], True, LIMITS, costs, now) == 512
+    resumed = started(1, since=0.0, last=0.0, now=now)
+    resumed.computed = 2  # recomputing its KV after a preemption: its next token is as due
+    assert step_budget([resumed], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
-def test_the_decodes_always_fit():
+def test_unpaced_without_a_target_a_cost_line_or_a_prompt_that_could_join():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
-    decodes = [decoding(1, since=0.0, now=now) for _ in range(8)]
-    assert step_budget(decodes, Limits(max_batch_tokens=512, per_token_target=0.01), costs, now) == 8
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    assert step_budget([fresh], True, Limits(max_batch_tokens=512), costs, now) == 512
+    assert step_budget([fresh], True, LIMITS, StepCosts(), now) == 512
+    assert step_budget([fresh], False, LIMITS, costs, now) == 512  # nothing waits, everything decodes
+
+
+def test_prompts_still_advance_when_the_decodes_use_up_the_allowance():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    decodes = [started(1, since=0.0, last=0.0, now=now) for _ in range(8)]
+    assert step_budget(decodes, True, Limits(max_batch_tokens=512, per_token_target=0.01), costs, now) == 8 + MIN_PREFILL
 
 
 @pytest.mark.parametrize("per_token_target", [None, 1e-6])
-def test_an_engine_whose_decode_cannot_afford_prefill_starts_the_next_prompt_after_it(per_token_target):
-    """With a per-token target no forward can meet, a decoding request's forwards carry it alone:
-    a long prompt arriving meanwhile starts when it ends (without a target, at once), and its
-    tokens are still `generate`'s."""
+def test_an_engine_paces_a_prompt_beside_a_decode_it_cannot_afford(per_token_target, monkeypatch):
+    """With a per-token target no forward can meet, a long prompt arriving while another request
+    decodes advances `MIN_PREFILL` tokens a forward beside it (without a target, all at once),
+    and its tokens are still `generate`'s."""
     model = make_model("llama", seed=3)
     first, second = prompts([20, 200], seed=5)
     expected = alone(model, second)
     engine = Engine(model, pool=KVPool(num_blocks=96, block_size=8),
                     limits=Limits(max_batch_tokens=512, per_token_target=per_token_target), controller=False)
-    for tokens in (1, 200) * 16:  # a steep cost line, fitted before the engine's own steps come in
+    for tokens in (1, 200) * 16:  # a steep cost line, kept: the engine's own steps do not move it
         engine.admission.costs.record(tokens, 0.01 * tokens)
-    with engine:
-        decoding = engine.submit(first, max_new_tokens=60, eos_token_id=[])
-        next(iter(decoding.stream()))
-        late = engine.submit(second, max_new_tokens=NEW)
-        assert late.result(timeout=120) == expected
-        decoding.result(timeout=120)
-    starts_after_it = late.timings["first_token"] > decoding.timings["finished"]
-    assert starts_after_it == (per_token_target is not None)
+    monkeypatch.setattr(engine.admission.costs, "record", lambda tokens, seconds: None)
+    sizes = []  # tokens fed to each forward
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
+                                           with_kwargs=True)
+    try:
+        with engine:
+            decoder = engine.submit(first, max_new_tokens=120, eos_token_id=[])
+            next(iter(decoder.stream()))
+            late = engine.submit(second, max_new_tokens=NEW)
+            assert late.result(timeout=120) == expected
+            decoder.result(timeout=120)
+    finally:
+        hook.remove()
+    if per_token_target is None:
+        assert max(sizes) >= 200
+    else:  # after the first prompt's own forward, none holds more than the decode and MIN_PREFILL
+        assert max(sizes[1:]) <= 1 + MIN_PREFILL
+        assert late.timings["first_token"] < decoder.timings["finished"]  # it did not wait for the decode to end
     assert_pool_clean(engine.pool)

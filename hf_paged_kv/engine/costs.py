@@ -48,11 +48,14 @@ class StepCosts:
     def tokens_within(self, seconds: float) -> int | None:
         """The most tokens one step can hold and still take at most `seconds`, on the line of
         slope `marginal_seconds_per_token` through the recent steps' mean (its intercept is the
-        fixed cost of a step); None before a slope is fitted. May be 0 or less: the fixed cost
-        alone takes longer."""
+        fixed cost of a step); with no slope fitted (alike steps, or a flat fit), the mean cost
+        per token, which overestimates no step at least as large as the mean. None before any
+        step. May be 0 or less: the fixed cost alone takes longer."""
         slope, steps = self.marginal_seconds_per_token(), self.steps()
-        if slope <= 0.0 or not steps:
-            return None
+        if slope <= 0.0:
+            slope = self.seconds_per_token()
+            if slope <= 0.0:
+                return None
         fixed = max(0.0, np.mean([s for _, s in steps]) - slope * np.mean([t for t, _ in steps]))
         return int((seconds - fixed) / slope)
 

@@ -191,7 +191,8 @@ class Engine:
             return False
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
-        budget = pacing.step_budget(self.scheduler.running, self.limits, self.admission.costs, time.monotonic())
+        budget = pacing.step_budget(self.scheduler.running, bool(self.scheduler.waiting), self.limits,
+                                    self.admission.costs, time.monotonic())
         batch = self.scheduler.continuing(budget)
         batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted

@@ -32,7 +32,7 @@ class LoadControl:
         if self.controller is not None:
             if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
-            if engine.limits.per_token_target is None:  # decodes with slack yield to first tokens (yielding)
+            if engine.limits.per_token_target is None:  # forwards are paced (pacing), decodes yield (yielding)
                 engine.limits.per_token_target = slo.per_token
             for name, value in self.controller.settings().items():
                 if name != "state":

@@ -6,12 +6,17 @@ request whose first token had just come waited longer than its 0.33 s per-token 
 second (the trace's only per-token miss at 35b6103). With a per-token target
 (`Limits.per_token_target`, which the load controller sets), a step's token budget is what fits,
 on the recent steps' fitted cost line (`StepCosts.tokens_within`), in `MARGIN` of the least time
-any of its decodes can afford. A decode with `n` tokens, the first at `f`, still meets its target
-(its mean time between tokens) if its next token comes by `f + n x target`; each may have at
-least one target (a step that long leaves its mean no worse than the target). So decodes that
-are ahead of their target – long ones, mostly – cap nothing, and a step without decodes keeps
-the whole budget: Sarathi-Serve caps every mixed forward at a fixed token budget; this one
-follows the decodes' slack.
+any running request with a first token can afford. One with `n` tokens, the first at `f`, still
+meets its target (its mean time between tokens) if its next token comes by `f + n x target`;
+each may also take one target since its last token (a gap that long never raises its mean above
+the target, nor a mean already above it). So decodes that are ahead of their target – long ones,
+mostly – cap nothing, and a step where nothing has a first token keeps the whole budget:
+Sarathi-Serve caps every mixed forward at a fixed token budget; this one follows the decodes'
+slack. Prompts still advance by at least `MIN_PREFILL` tokens a step, so that a target the
+decodes alone use up does not stop every prefill and admission until they finish.
+
+A decode that admission resumes in the step (after a preemption or yielding its memory) joins
+a forward whose budget was set before it: it is paced from the next step on.
 """
 
 from __future__ import annotations
@@ -21,15 +26,22 @@ from .request import Request
 from .scheduler import Limits
 
 MARGIN = 0.85  # of a decode's allowance a step is planned to take: room for the fitted line's error
+MIN_PREFILL = 16  # prompt tokens a paced step still holds (a block's worth)
 
 
-def step_budget(running: list[Request], limits: Limits, costs: StepCosts, now: float) -> int:
-    """The tokens the next forward may hold: `Limits.max_batch_tokens`, less where its decodes
-    cannot afford the time (never fewer than the decodes themselves)."""
+def step_budget(running: list[Request], waiting: bool, limits: Limits, costs: StepCosts, now: float) -> int:
+    """The tokens the next forward may hold: `Limits.max_batch_tokens`, less where the running
+    requests with a first token cannot afford the time; at least their decodes and
+    `MIN_PREFILL` more. Unpaced (and nothing fitted) when no prompt could join: nothing waits
+    and every running request is decoding."""
     budget, target = limits.max_batch_tokens, limits.per_token_target
-    decodes = [r for r in running if r.remaining == 1 and r.first_token is not None]
-    if target is None or not decodes:
+    if target is None or not (waiting or any(r.remaining > 1 for r in running)):
         return budget
-    allowance = min(max(target, len(r.generated) * target - (now - r.first_token)) for r in decodes)
+    started = [r for r in running if r.first_token is not None]
+    if not started:
+        return budget
+    allowance = min(max(target - (now - r.last_token), len(r.generated) * target - (now - r.first_token))
+                    for r in started)
     fits = costs.tokens_within(MARGIN * allowance)
-    return budget if fits is None else max(len(decodes), min(budget, fits))
+    decodes = sum(1 for r in running if r.remaining == 1)
+    return budget if fits is None else min(budget, max(fits, decodes + MIN_PREFILL))

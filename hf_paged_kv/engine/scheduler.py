@@ -44,7 +44,9 @@ class Limits:
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
     ttft_target: float | None = None  # s; set: admission triages by it (late requests yield, partial chunks wait)
-    per_token_target: float | None = None  # s; set with ttft_target and a host tier: decodes yield (see yielding)
+    # s; set: forwards carrying decodes are paced (see pacing), and with ttft_target and a host tier
+    # decodes yield (see yielding)
+    per_token_target: float | None = None
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
@@ -70,7 +72,7 @@ class Limits:
         if self.ttft_target is not None and self.ttft_target <= 0:
             raise ValueError(f"Limits.ttft_target must be > 0 seconds (or None: no triage), got {self.ttft_target}")
         if self.per_token_target is not None and self.per_token_target <= 0:
-            raise ValueError(f"Limits.per_token_target must be > 0 seconds (or None: decodes never yield), "
+            raise ValueError(f"Limits.per_token_target must be > 0 seconds (or None: no pacing, no yielding), "
                              f"got {self.per_token_target}")
 
 
