@@ -140,7 +140,7 @@ class Admission:
         """Why the request's tokens can never fit: more blocks than the pool holds besides the
         `pinned` blocks it would not inherit (None when they fit)."""
         size, total = self.pool.block_size, self.pool.num_blocks
-        needed = -(-(len(request.tokens()) + 1) // size)
+        needed = request.blocks_needed(size)
         if needed <= total - len(pinned):
             return None
         others = len(pinned - set(self.prefixes.stored(request)[0]))  # a pinned prefix it shares costs it nothing

@@ -257,7 +257,7 @@ class Engine:
             if request.sequence.blocks:
                 self.pool.decref(request.sequence.blocks)
             request.sequence, request.swapped = Sequence(), None
-            request.outcome, request.finished = outcome, time.monotonic()
+            request.finished = time.monotonic()
             self.metrics.ended(request, outcome)
             if outcome == "finished":
                 self.load.finished(request)

@@ -182,6 +182,10 @@ class Request:
         reaches the end samples the next token (one token per step once the prompt is in)."""
         return self.prompt + self.generated
 
+    def blocks_needed(self, block_size: int) -> int:
+        """Blocks of `block_size` that `tokens()` and the next token's KV fill."""
+        return -(-(len(self.tokens()) + 1) // block_size)
+
     @property
     def remaining(self) -> int:
         """Tokens still to feed before the next token can be sampled."""

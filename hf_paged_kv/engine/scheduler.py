@@ -131,8 +131,7 @@ class Scheduler:
     def shortfall(self, request: Request, inherited_blocks: int) -> int:
         """Blocks that memory lacks for the request's uncached tokens and the running ones'
         reserve (<= 0: it fits)."""
-        size = self.pool.block_size
-        needed = -(-(len(request.tokens()) + 1) // size) - inherited_blocks
+        needed = request.blocks_needed(self.pool.block_size) - inherited_blocks
         # the watermark keeps room for running sequences: with none, a request it alone turns
         # away would wait forever
         keep_free = int(self.limits.watermark * self.pool.num_blocks) if self.running else 0
