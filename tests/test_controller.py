@@ -463,3 +463,18 @@ def test_event_history_stays_within_the_long_window_when_nothing_reads_it():
         signals.record("ttft", 0.1, now=float(second))
     assert all(len(signals.events[name]) <= 5 for name in ("arrival", "ttft"))
     assert signals.count("arrival", since=996.0) == 4
+
+
+def test_goodput_counts_from_the_engines_start_not_its_construction():
+    model = make_model("llama", seed=4)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(ttft=30.0, per_token=30.0))
+    assert engine.stats()["goodput"] == 0.0  # not started: nothing served, no time passed serving
+    time.sleep(1.0)  # built long before it serves
+    with engine:
+        started = time.monotonic()
+        engine.submit(list(range(3, 20)), max_new_tokens=2).result(timeout=60)
+        served = time.monotonic() - started
+        goodput = engine.stats()["goodput"]
+    assert engine.stats()["availability"] == 1.0
+    assert goodput >= 1 / (served + 0.1) > 1 / 1.0  # one request over the time since start, not the 1 s before it
+    hf_paged_kv.disable(model)

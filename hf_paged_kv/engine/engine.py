@@ -90,6 +90,7 @@ class Engine:
             raise PagedKVError("the engine's previous loop is still stopping: call stop() again and let it finish")
         if self.thread is None:
             self.accepting = True
+            self.load.start()
             openmp.release_workers()  # this thread's idle OpenMP workers would throttle the engine's
             self.thread = threading.Thread(target=self._loop, name="hf_paged_kv-engine", daemon=True)
             self.thread.start()
@@ -191,8 +192,7 @@ class Engine:
             return False
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
-        budget = pacing.step_budget(self.scheduler.running, bool(self.scheduler.waiting), self.limits,
-                                    self.admission.costs, time.monotonic())
+        budget = pacing.step_budget(self.scheduler.running, bool(self.scheduler.waiting), self.limits, self.admission.costs)
         batch = self.scheduler.continuing(budget)
         batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted

@@ -25,7 +25,7 @@ class LoadControl:
         thresholds = thresholds or Thresholds()
         self.signals = Signals(thresholds.short_window, thresholds.long_window)
         self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
-        self.started = time.monotonic()
+        self.started: float | None = None  # the engine's first start(): goodput counts from it
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         self.lookups_seen = dict.fromkeys(("lookup_tokens", "device", "host", "disk"), 0)
         self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
@@ -38,6 +38,12 @@ class LoadControl:
                 if name != "state":
                     engine.metrics.knobs.labels(name).set(value)
             self._show_state()
+
+    def start(self) -> None:
+        """The engine starts serving: goodput's clock starts, at the first start only (the
+        counts are over the engine's life)."""
+        if self.started is None:
+            self.started = time.monotonic()
 
     # ----------------------------------------------------------- events
     def admit_or_refuse(self, priority: int) -> None:
@@ -162,7 +168,7 @@ class LoadControl:
 
     # ------------------------------------------------------------ stats
     def stats(self) -> dict:
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        elapsed = max(time.monotonic() - self.started, 1e-9) if self.started is not None else float("inf")
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
         settings = ({"state": "off"} if self.controller is None else
                     self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,

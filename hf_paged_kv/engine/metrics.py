@@ -39,7 +39,7 @@ class EngineMetrics:
         self.host_blocks = gauge("kv_host_blocks_used", "Blocks held by the host tier")
         self.knobs = gauge("controller_setting", "Current value of each load-controller actuator", ["knob"])
         self.controller_state = gauge("controller_state", "Load controller state (1 for the current one)", ["state"])
-        self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since start")
+        self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since the engine's first start")
         self.availability = gauge("availability_ratio", "Requests within the SLO targets / requests submitted")
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
         self.preemptions = counter("preemptions", "Preemptions by mode, and why: memory ran out, or a decode "

@@ -21,6 +21,8 @@ a forward whose budget was set before it: it is paced from the next step on.
 
 from __future__ import annotations
 
+import time
+
 from .costs import StepCosts
 from .request import Request
 from .scheduler import Limits
@@ -29,12 +31,13 @@ MARGIN = 0.85  # of a decode's allowance a step is planned to take: room for the
 MIN_PREFILL = 16  # prompt tokens a paced step still holds (a block's worth)
 
 
-def step_budget(running: list[Request], waiting: bool, limits: Limits, costs: StepCosts, now: float) -> int:
-    """The tokens the next forward may hold: `Limits.max_batch_tokens`, less where the running
-    requests with a first token cannot afford the time; at least their decodes and
-    `MIN_PREFILL` more. Unpaced (and nothing fitted) when no prompt could join: nothing waits
-    and every running request is decoding."""
-    budget, target = limits.max_batch_tokens, limits.per_token_target
+def step_budget(running: list[Request], waiting: bool, limits: Limits, costs: StepCosts,
+                now: float | None = None) -> int:
+    """The tokens the next forward, starting `now` (monotonic; default: now), may hold:
+    `Limits.max_batch_tokens`, less where the running requests with a first token cannot afford
+    the time; at least their decodes and `MIN_PREFILL` more. Unpaced (and nothing fitted) when
+    no prompt could join: nothing waits and every running request is decoding."""
+    budget, target, now = limits.max_batch_tokens, limits.per_token_target, now or time.monotonic()
     if target is None or not (waiting or any(r.remaining > 1 for r in running)):
         return budget
     started = [r for r in running if r.first_token is not None]
