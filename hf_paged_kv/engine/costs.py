@@ -52,12 +52,13 @@ class StepCosts:
         per token, which overestimates no step at least as large as the mean. None before any
         step. May be 0 or less: the fixed cost alone takes longer."""
         slope, steps = self.marginal_seconds_per_token(), self.steps()
+        if not steps:
+            return None
+        mean_tokens, mean_seconds = np.mean(steps, axis=0)
+        slope = slope if slope > 0.0 else mean_seconds / mean_tokens  # the mean cost per token
         if slope <= 0.0:
-            slope = self.seconds_per_token()
-            if slope <= 0.0:
-                return None
-        fixed = max(0.0, np.mean([s for _, s in steps]) - slope * np.mean([t for t, _ in steps]))
-        return int((seconds - fixed) / slope)
+            return None
+        return int((seconds - max(0.0, mean_seconds - slope * mean_tokens)) / slope)
 
     def step_seconds(self) -> float:
         """The mean duration of the recent steps (0.0 before any)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 
+from . import yielding
 from .costs import StepCosts
 from .request import Request
 from .scheduler import Limits
@@ -43,8 +44,8 @@ def step_budget(running: list[Request], waiting: bool, limits: Limits, costs: St
     started = [r for r in running if r.first_token is not None]
     if not started:
         return budget
-    allowance = min(max(target - (now - r.last_token), len(r.generated) * target - (now - r.first_token))
-                    for r in started)
+    # a step's allowance is each request's slack (see yielding) before the step, or one target since its last token
+    allowance = min(max(target - (now - r.last_token), yielding.slack(r, target, 0.0, now)) for r in started)
     fits = costs.tokens_within(MARGIN * allowance)
     decodes = sum(1 for r in running if r.remaining == 1)
     return budget if fits is None else min(budget, max(fits, decodes + MIN_PREFILL))
