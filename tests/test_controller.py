@@ -465,6 +465,21 @@ def test_event_history_stays_within_the_long_window_when_nothing_reads_it():
     assert signals.count("arrival", since=996.0) == 4
 
 
+def test_rates_count_from_start_not_construction():
+    clock = Clock()
+    signals = Signals(short=10.0, long=60.0, clock=clock)
+    clock.now = 100.0  # built long before it serves
+    signals.start()
+    clock.now = 102.0
+    for _ in range(4):
+        signals.record("arrival")
+    reading = signals.read()
+    assert reading["short"]["arrival_rate"] == pytest.approx(2.0)  # 4 in the 2 s since start, not 4 in 10 s
+    assert reading["long"]["arrival_rate"] == pytest.approx(2.0)
+    clock.now = 120.0
+    assert signals.read()["short"]["arrival_rate"] == 0.0
+
+
 def test_goodput_counts_from_the_engines_start_not_its_construction():
     model = make_model("llama", seed=4)
     engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(ttft=30.0, per_token=30.0))

@@ -248,7 +248,7 @@ def test_bad_sampling_arguments_and_token_ids_are_refused_at_submit(model):
     assert engine.submit(np.array([5, 6, 7])).request.prompt == [5, 6, 7]
     handle = engine.submit([5, 6, 7])
     with pytest.raises(ValueError, match="outcome must be 'cancelled' or 'finished', got 'canceled'"):
-        engine.cancel(handle.request, outcome="canceled")
+        engine.cancel(handle, outcome="canceled")
     assert handle.request.cancel_requested is None
     engine.accepting = False
 

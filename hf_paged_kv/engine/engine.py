@@ -134,10 +134,10 @@ class Engine:
         self.wakeup.set()
         return RequestHandle(request, self)
 
-    def cancel(self, request: Request, outcome: str = "cancelled") -> None:
-        """Stop a request (`RequestHandle.cancel` and `finish` call this)."""
-        request.ask_to_stop(outcome)
-        self.cancelled.put(request)
+    def cancel(self, handle: RequestHandle, outcome: str = "cancelled") -> None:
+        """Stop `handle`'s request as "cancelled" or "finished" (`handle.cancel()`, `.finish()`)."""
+        handle.request.ask_to_stop(outcome)
+        self.cancelled.put(handle.request)
         self.wakeup.set()
 
     # ----------------------------------------------------------------- loop

@@ -40,10 +40,11 @@ class LoadControl:
             self._show_state()
 
     def start(self) -> None:
-        """The engine starts serving: goodput's clock starts, at the first start only (the
-        counts are over the engine's life)."""
+        """The engine starts serving: goodput's clock and the signals' rates start, at the first
+        start only (the counts are over the engine's life)."""
         if self.started is None:
             self.started = time.monotonic()
+            self.signals.start(self.started)
 
     # ----------------------------------------------------------- events
     def admit_or_refuse(self, priority: int) -> None:

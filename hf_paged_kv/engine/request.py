@@ -233,12 +233,12 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Stop generating; the tokens so far stay readable and `result()` returns them."""
-        self.engine.cancel(self.request)
+        self.engine.cancel(self)
 
     def finish(self) -> None:
         """Stop generating because the caller has what it wants (a stop string matched): like
         `cancel`, but the request counts as finished."""
-        self.engine.cancel(self.request, outcome="finished")
+        self.engine.cancel(self, outcome="finished")
 
     @property
     def done(self) -> bool:

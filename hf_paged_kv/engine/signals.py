@@ -43,6 +43,11 @@ class Signals:
         self.last_level_time: float | None = None
         self.current = dict.fromkeys(LEVELS, 0.0)
 
+    def start(self, now: float | None = None) -> None:
+        """The windows' rates count from `now`: an engine built long before it serves would
+        otherwise spread its first seconds' events over time when nothing could arrive."""
+        self.started = self.clock() if now is None else now
+
     def record(self, event: str, value: float = 1.0, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         with self.lock:
