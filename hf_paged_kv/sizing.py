@@ -47,7 +47,7 @@ def choose_num_blocks(options: dict, layers, block_size: int, dtype: torch.dtype
     fraction = options["memory_fraction"]
     accelerators = {s.device for s in layers if s.device.type != "cpu"}
     if options["max_bytes"] is not None:
-        count = options["max_bytes"] // per_block
+        count = int(options["max_bytes"]) // per_block  # 2e9 is a fine way to write it
     elif not accelerators:
         budget = DEFAULT_CPU_BYTES if fraction is None else int(fraction * available_bytes(torch.device("cpu")))
         count = budget // per_block

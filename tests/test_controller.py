@@ -331,6 +331,37 @@ def test_retry_after_is_the_time_the_requests_ahead_take_to_be_admitted():
     hf_paged_kv.disable(model)
 
 
+def test_retry_after_counts_only_the_requests_that_stay_ahead():
+    """A refused request waits for the late requests that stay, not for late ones of shed
+    priorities (the next tick turns them away at once), nor for itself; with nothing ahead, a
+    retry may come at once (0.1 s)."""
+    model = make_model("llama", seed=6)
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8), slo=SLO(ttft=0.5, per_token=1.0))
+    engine.accepting = True  # accept without running the loop: the queue is what the test puts in it
+    controller = engine.load.controller
+    controller.state, controller.shed_below = "overload", 1
+    past = time.monotonic() - 2.0
+    shed = [Request([4, 5, 6], SamplingParams(max_new_tokens=8), priority=0, arrived=past) for _ in range(3)]
+    for request in shed:
+        engine.scheduler.enqueue(request)
+    with pytest.raises(Overloaded) as info:
+        engine.submit([5, 6, 7], max_new_tokens=2)  # refused behind late ones that are about to leave
+    assert info.value.retry_after == 0.1
+    engine.admission.costs.record(100, 1.0)  # 100 tokens/s, and nothing admitted lately
+    kept = Request([8, 9, 10, 11], SamplingParams(max_new_tokens=16), priority=1, arrived=past)
+    engine.scheduler.enqueue(kept)
+    assert engine.load.retry_after(1, besides=shed[0]) == pytest.approx((4 + 16) / 100)  # the one ahead, not the queue
+    engine.outcomes.turn_away(shed[0])
+    assert shed[0].outcome == "rejected"
+    with pytest.raises(Overloaded) as info:
+        shed[0].stream.__iter__().__next__()
+    assert info.value.retry_after == pytest.approx((4 + 16) / 100)
+    controller.state, controller.shed_below = "normal", float("-inf")
+    engine.start()
+    engine.stop(drain=True)
+    hf_paged_kv.disable(model)
+
+
 def test_hit_rates_are_recent_and_the_service_figures_are_in_the_metrics():
     """The pool's hit counters are lifetime totals; the controller's signal is the share of
     the tokens looked up lately. Goodput, availability, the state and the shed level are in

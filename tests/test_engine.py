@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded, PagedKVError
-from hf_paged_kv.engine import Thresholds
+from hf_paged_kv.engine import RequestFailed, Thresholds
 from hf_paged_kv.engine.scheduler import Limits
 
 NEW = 10
@@ -440,8 +440,9 @@ def test_waiting_requests_prefixes_are_prefetched_from_the_host_tier():
 
 
 def test_a_request_larger_than_the_pool_fails_alone_and_clearly():
-    """Prompt plus generated tokens beyond what the whole pool holds: that request fails with
-    RequestFailed (at admission, or once it outgrows the pool); the others are served."""
+    """A prompt beyond what the whole pool holds fails with RequestFailed at admission; a request
+    that outgrows the pool while generating ends there with the tokens it has, as at the end of
+    a context (none is lost, none streamed twice); the others are served."""
     from hf_paged_kv.engine import RequestFailed
 
     model = make_model("llama", seed=9)
@@ -451,12 +452,13 @@ def test_a_request_larger_than_the_pool_fails_alone_and_clearly():
         fine = engine.submit(prompts([10])[0], max_new_tokens=4)
         with pytest.raises(RequestFailed, match="more than the pool can hold"):
             too_long.result(timeout=60)
-        with pytest.raises(RequestFailed, match="pool") as failed:
-            outgrows.result(timeout=60)
-        # what it generated before outgrowing the pool is not lost: 40 + 24 tokens fill its 8 blocks
-        assert len(failed.value.tokens) == outgrows.timings["generated"] >= 23
+        streamed = list(outgrows.stream())
+        # 40 + 24 tokens fill its 8 blocks (the last one sampled needs no KV of its own)
+        assert streamed == outgrows.result(timeout=60) and 23 <= len(streamed) <= 25
+        expected = alone(model, prompts([40])[0], len(streamed))  # up to the model's EOS, which this one ignores
+        assert streamed[: len(expected)] == expected
         assert len(fine.result(timeout=60)) >= 1
-    assert engine.stats()["requests_failed"] == 2
+    assert engine.stats()["requests_failed"] == 1 and engine.stats()["requests_finished"] == 2
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 
@@ -476,6 +478,68 @@ def test_a_request_sharing_a_pinned_prefix_fits_beside_it():
             engine.submit(other, max_new_tokens=2).result(timeout=60)
         hf_paged_kv.unpin(model, pin)
     assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def test_a_request_outgrowing_the_room_pins_leave_it_ends_with_its_tokens():
+    """Pins of another prefix leave a running request less than the pool: it ends there with
+    what it streamed (as at the end of a context), never failed with its tokens lost."""
+    model = make_model("llama", seed=9)
+    prefix, other = prompts([32, 20], seed=41)
+    with Engine(model, pool=KVPool(num_blocks=10, block_size=8, pin_budget=0.5), controller=False) as engine:
+        pin = hf_paged_kv.pin(model, prefix)  # 4 of the 10 blocks: 48 tokens left for the other
+        handle = engine.submit(other, max_new_tokens=60, eos_token_id=[])
+        tokens = handle.result(timeout=60)
+        assert handle.request.outcome == "finished" and 27 <= len(tokens) <= 29
+        hf_paged_kv.unpin(model, pin)
+    assert engine.stats()["requests_failed"] == 0
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def test_a_request_that_ended_before_its_intake_never_runs(model):
+    """A cancel handled before the loop takes the request in (submit and cancel racing the
+    loop's intake) ends it for good: it is never queued, run, or counted twice, and a draining
+    stop() returns."""
+    engine = Engine(model, pool=KVPool(num_blocks=16, block_size=8))
+    engine.accepting = True  # accept without running the loop: the request sits in the intake queue
+    handle = engine.submit([5, 6, 7], max_new_tokens=4)
+    handle.request.ask_to_stop("cancelled")  # handle.cancel(), and the loop handling it before its intake:
+    engine.outcomes.end(handle.request, "cancelled")
+    engine.start()
+    engine.stop(drain=True, timeout=10)
+    assert engine.thread is None and handle.result(timeout=1) == []
+    stats = engine.stats()
+    assert stats["requests_cancelled"] == 1 and stats["requests_finished"] == 0 and stats["tokens_generated"] == 0
+    assert stats["requests_running"] == 0 and stats["blocks_used"] == 0
+    hf_paged_kv.disable(model)
+
+
+def test_a_fault_that_repeats_every_pass_does_not_keep_stop_waiting(model, monkeypatch):
+    engine = Engine(model, pool=KVPool(num_blocks=16, block_size=8))
+
+    def broken_tick():
+        raise RuntimeError("the load controller's tick fails every time")
+
+    monkeypatch.setattr(engine.load, "tick", broken_tick)
+    with engine:
+        handle = engine.submit([5, 6, 7], max_new_tokens=4)
+        with pytest.raises(RequestFailed, match="tick fails"):
+            handle.result(timeout=10)
+        engine.stop(drain=False, timeout=10)
+    assert engine.thread is None
+    hf_paged_kv.disable(model)
+
+
+def test_stop_ends_what_is_queued_when_no_loop_runs_and_cancel_checks_the_engine(model):
+    engine = Engine(model, pool=KVPool(num_blocks=16, block_size=8))
+    engine.accepting = True  # requests queued, but the loop never started
+    handle = engine.submit([5, 6, 7], max_new_tokens=4)
+    engine.stop()
+    assert handle.done and handle.result(timeout=1) == [] and handle.request.outcome == "cancelled"
+    other = Engine(model, pool=engine.pool)
+    with pytest.raises(ValueError, match="another engine"):
+        other.cancel(handle)
     hf_paged_kv.disable(model)
 
 

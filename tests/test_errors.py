@@ -127,6 +127,7 @@ def test_bad_pool_arguments(kwargs, message):
     [
         (dict(max_batch_tokens=0), r"Limits.max_batch_tokens must be >= 1"),
         (dict(max_running=0), r"Limits.max_running must be >= 1"),
+        (dict(max_waiting=0), r"Limits.max_waiting must be >= 1"),
         (dict(backfill_wait=-1.0), r"Limits.backfill_wait must be >= 0"),
         (dict(watermark=1.5), r"Limits.watermark is a fraction in \[0, 1\]"),
         (dict(growth_ratio_min=-0.1), r"Limits.growth_ratio_min is a fraction"),
@@ -143,6 +144,12 @@ def test_bad_engine_limits(kwargs, message):
 def test_bad_service_level_targets(kwargs):
     with pytest.raises(ValueError, match="SLO targets must be > 0 seconds"):
         SLO(**kwargs)
+
+
+def test_a_byte_budget_may_be_written_as_a_float(llama):
+    pool = hf_paged_kv.enable(llama, pool=KVPool(max_bytes=1e6))
+    assert 0 < pool.stats()["bytes_total"] <= 1e6
+    hf_paged_kv.disable(llama)
 
 
 def test_budget_too_small_for_one_block(llama):

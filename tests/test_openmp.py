@@ -97,3 +97,17 @@ def test_engine_frees_workers_at_start_and_when_idle():
     finally:
         engine.stop()
         hf_paged_kv.disable(model)
+
+
+def test_a_libgomp_path_with_spaces_is_read_whole_and_one_that_cannot_load_is_skipped(monkeypatch, caplog):
+    """/proc/self/maps ends each line with the path, which may hold spaces; a copy that cannot be
+    loaded costs only its release (logged), never the engine's start or its loop."""
+    import io
+
+    maps = ("7f00-7f10 r-xp 00000000 08:01 123 /home/u/My Projects/.venv/lib/libgomp-a34b3233.so.1\n"
+            "7f10-7f20 r--p 00000000 08:01 124 /usr/lib/libc.so.6\n")
+    monkeypatch.setattr(openmp, "open", lambda path: io.StringIO(maps), raising=False)
+    assert openmp.loaded_libgomp() == ["/home/u/My Projects/.venv/lib/libgomp-a34b3233.so.1"]
+    with caplog.at_level("WARNING", logger="hf_paged_kv.engine"):
+        assert openmp.release_workers() == 0
+    assert "cannot load /home/u/My Projects" in caplog.text

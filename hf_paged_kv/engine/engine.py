@@ -27,15 +27,15 @@ import numpy as np
 import torch
 
 from ..advisor import Advice, advise_block_size
-from ..errors import Overloaded, PagedKVError
+from ..errors import PagedKVError
 from ..integration import current_fingerprint, enable, state_of
 from ..pool import KVPool
-from ..sequence import Sequence
 from . import openmp, pacing, runner
 from .admission import Admission
 from .controller import SLO, Thresholds
 from .load import LoadControl
 from .metrics import EngineMetrics
+from .outcomes import Outcomes
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
 from .scheduler import Limits, Scheduler
@@ -72,7 +72,8 @@ class Engine:
         self.metrics = EngineMetrics()
         self.load = LoadControl(self, controller, slo or SLO(), thresholds)
         self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
-        self.admission.on_impossible = lambda request, reason: self._end(request, "failed", RequestFailed(reason))
+        self.outcomes = Outcomes(self)
+        self.admission.on_impossible = self.outcomes.cannot_fit
         self.incoming: queue.SimpleQueue = queue.SimpleQueue()
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
@@ -105,6 +106,9 @@ class Engine:
             self.thread.join(timeout)
             if not self.thread.is_alive():  # else it is still draining: start() must not add a second loop
                 self.thread = None
+        if self.thread is None:  # no loop (never started, or it died): what is queued ends here
+            self._intake()
+            self.outcomes.end_all("cancelled")
 
     def __enter__(self) -> "Engine":
         return self.start()
@@ -136,6 +140,8 @@ class Engine:
 
     def cancel(self, handle: RequestHandle, outcome: str = "cancelled") -> None:
         """Stop `handle`'s request as "cancelled" or "finished" (`handle.cancel()`, `.finish()`)."""
+        if handle.engine is not self:
+            raise ValueError("this handle belongs to another engine: cancel it there (handle.cancel())")
         handle.request.ask_to_stop(outcome)
         self.cancelled.put(handle.request)
         self.wakeup.set()
@@ -143,18 +149,17 @@ class Engine:
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
         idle = True
-        while True:
+        # stop is checked first: a fault that repeats in intake or tick must not keep stop() waiting
+        while self.accepting or (self.draining and self._busy()):
             try:
                 self._intake()
                 self.load.tick()
-                if not self.accepting and (not self.draining or not self._busy()):
-                    break
                 if self.step():
                     idle = False
                     continue
             except Exception as error:  # noqa: BLE001 - a step that fails must not leave requests waiting forever
                 log.exception("the engine's step failed: every request running or waiting fails, the engine goes on")
-                self._end_all("failed", f"the engine's step failed: {error!r}")
+                self.outcomes.end_all("failed", f"the engine's step failed: {error!r}")
             if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
                 openmp.release_workers()
                 idle = True
@@ -163,16 +168,7 @@ class Engine:
         try:
             self._intake()  # requests queued just before stop() stopped accepting
         finally:
-            self._end_all("cancelled")
-
-    def _end_all(self, outcome: str, reason: str | None = None) -> None:
-        """End every waiting and running request (failed for `reason`, if given); one that fails
-        to end keeps no other open."""
-        for request in self.scheduler.waiting + self.scheduler.running:
-            try:
-                self._end(request, outcome, reason and RequestFailed(reason))
-            except Exception:  # noqa: BLE001 - its stream is closed (see _end); the others must end too
-                log.exception("ending request %d failed", request.id)
+            self.outcomes.end_all("cancelled")
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()
@@ -180,11 +176,13 @@ class Engine:
     def _intake(self) -> None:
         with self.gate:  # a request moving between the queues is in neither: submit's backlog would miss it
             while not self.incoming.empty():
-                self.scheduler.enqueue(self.incoming.get())
+                request = self.incoming.get()
+                if request.outcome is None:  # cancelled between submit and intake: it has ended already
+                    self.scheduler.enqueue(request)
         while not self.cancelled.empty():
             request = self.cancelled.get()
             if request.outcome is None:
-                self._end(request, request.cancel_requested)
+                self.outcomes.end(request, request.cancel_requested)
 
     def step(self) -> bool:
         """One scheduler step; False when there was nothing to run."""
@@ -224,7 +222,7 @@ class Engine:
                 for row in batch:
                     self._forward([row])
             else:
-                self._end(batch[0][0], "failed", RequestFailed(f"forward failed: {error!r}"))
+                self.outcomes.end(batch[0][0], "failed", RequestFailed(f"forward failed: {error!r}"))
             return False
         self.metrics.forward(batch, *runner.token_kinds(batch), len(self.scheduler.running))
         runner.commit(batch)
@@ -232,45 +230,10 @@ class Engine:
         now = time.monotonic()
         for request, token in zip(sampling, sample(logits, sampling)):
             if isinstance(token, Exception):
-                self._end(request, "failed", RequestFailed(f"sampling failed: {token!r}"))
+                self.outcomes.end(request, "failed", RequestFailed(f"sampling failed: {token!r}"))
             else:
-                self._emit(request, token, now)
+                self.outcomes.emit(request, token, now)
         return True
-
-    def _emit(self, request: Request, token: int, now: float) -> None:
-        if request.cancel_requested:
-            return
-        request.generated.append(token)
-        request.stream.push(token)
-        self.metrics.token(request, now)
-        if request.first_token is None:
-            request.first_token = now
-            self.load.signals.record("ttft", now - request.arrived, now)
-        request.last_token = now
-        if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
-            self._end(request, "finished")
-
-    def _end(self, request: Request, outcome: str, error: BaseException | None = None) -> None:
-        """Release the request's blocks (full ones stay cached) and close its stream."""
-        try:
-            self.scheduler.remove(request)
-            if request.sequence.blocks:
-                self.pool.decref(request.sequence.blocks)
-            request.sequence, request.swapped = Sequence(), None
-            request.finished = time.monotonic()
-            self.metrics.ended(request, outcome)
-            if outcome == "finished":
-                self.load.finished(request)
-                self.admission.lengths.append(len(request.prompt) + len(request.generated))
-        finally:  # whatever failed above, it has ended and its reader must not wait forever
-            request.outcome = request.outcome or outcome
-            request.stream.close(error)
-
-    def turn_away(self, request: Request) -> None:
-        """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
-        self.load.signals.record("rejection")
-        ahead = self.load.late_ahead(request.effective_priority, besides=request)
-        self._end(request, "rejected", Overloaded(self.load.retry_after(ahead), "overloaded: this priority is shed for now"))
 
     def _preempt(self, request: Request) -> None:
         self.load.signals.record("preemption")

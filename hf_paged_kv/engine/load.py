@@ -59,24 +59,25 @@ class LoadControl:
             ahead, why = backlog - engine.limits.max_waiting + 1, (
                 f"{backlog} requests are waiting (max_waiting={engine.limits.max_waiting})")
         elif self.refuses(priority):
-            ahead, why = self.late_ahead(priority), f"overloaded: priority {priority} is shed for now"
+            ahead, why = self.staying_ahead(priority), f"overloaded: priority {priority} is shed for now"
         else:
             return
         engine.metrics.rejected()
         self.signals.record("rejection")
         raise Overloaded(self.retry_after(ahead), why)
 
-    def retry_after(self, ahead: int = 1) -> float:
+    def retry_after(self, ahead: int = 1, besides: Request | None = None) -> float:
         """An honest wait before a retry is accepted: the time `ahead` waiting requests take to be
         admitted (those that must leave the queue first) at the recent admission rate; with no
-        admission lately, the queued work over the recent throughput (5 s with no steps yet).
-        At least 0.1 s."""
+        admission lately, the work of the first `ahead` in the queue (other than `besides`, the
+        request refused) over the recent throughput (5 s with no steps yet). At least 0.1 s,
+        which is also the answer when nothing is ahead."""
         rate = self.admission_rate()
-        if rate > 0:
-            return max(0.1, ahead / rate)
-        engine = self.engine
-        queued = sum(r.remaining + r.params.max_new_tokens for r in list(engine.scheduler.waiting))
-        throughput = engine.admission.costs.throughput()
+        if ahead <= 0 or rate > 0:
+            return max(0.1, ahead / rate if rate > 0 else 0.0)
+        first = [r for r in list(self.engine.scheduler.waiting) if r is not besides][:ahead]
+        queued = sum(r.remaining + r.params.max_new_tokens for r in first)
+        throughput = self.engine.admission.costs.throughput()
         return max(0.1, queued / throughput) if throughput > 0 else 5.0
 
     def refuses(self, priority: int) -> bool:
@@ -95,6 +96,11 @@ class LoadControl:
         now = time.monotonic()
         return sum(1 for r in list(self.engine.scheduler.waiting)
                    if r is not besides and self._late(r, now) and r.effective_priority >= priority)
+
+    def staying_ahead(self, priority: int, besides: Request | None = None) -> int:
+        """`late_ahead` less the late requests of shed priorities, which the next tick turns away
+        at once: those a refused request of `priority` would really wait for (its retry_after)."""
+        return self.late_ahead(max(priority, self.controller.shed_below), besides)
 
     def admission_rate(self) -> float:
         """Requests admitted per second over the short window (each admission records its wait)."""
@@ -140,7 +146,7 @@ class LoadControl:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
         for request in list(engine.scheduler.waiting):
             if request.effective_priority < self.controller.shed_below and self._late(request, now):
-                engine.turn_away(request)
+                engine.outcomes.turn_away(request)
 
     def _hit_rates(self, stats: dict) -> dict[str, float]:
         """Per tier, the share of the prompt tokens looked up since the last tick that it served

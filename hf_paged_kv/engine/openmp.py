@@ -19,9 +19,11 @@ sides: serve from one thread.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 
 _OMP_PAUSE_HARD = 2  # omp_pause_resource_t: free the threads, not just park them
+log = logging.getLogger("hf_paged_kv.engine")
 _runtimes: dict[str, object] = {}  # path of a loaded libgomp -> its omp_pause_resource_all, or None
 
 
@@ -29,11 +31,16 @@ def release_workers() -> int:
     """Free the calling thread's OpenMP worker threads in every libgomp loaded in this process
     (torch's, and any other library's copy). Call it only outside parallel regions, from a
     thread that is about to stop using torch for a while. Returns how many runtimes released
-    their workers; 0 where there is no libgomp (other platforms, other OpenMP runtimes)."""
+    their workers; 0 where there is no libgomp (other platforms, other OpenMP runtimes). Never
+    raises: it only saves time, and a libgomp it cannot load is skipped (and logged once)."""
     released = 0
     for path in loaded_libgomp():
         if path not in _runtimes:
-            _runtimes[path] = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # None before OpenMP 5.0
+            try:
+                _runtimes[path] = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)  # None before OpenMP 5.0
+            except OSError as error:
+                log.warning("cannot load %s to release its OpenMP workers: %s", path, error)
+                _runtimes[path] = None
         pause = _runtimes[path]
         if pause is not None and pause(_OMP_PAUSE_HARD) == 0:
             released += 1
@@ -44,7 +51,9 @@ def loaded_libgomp() -> list[str]:
     """Paths of the libgomp copies mapped into this process (Linux; none elsewhere)."""
     try:
         with open(f"/proc/{os.getpid()}/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/libgomp" in line}
+            # the path is the sixth field, and may hold spaces ("/home/u/My Projects/.venv/...")
+            paths = {fields[5].rstrip("\n") for fields in (line.split(maxsplit=5) for line in maps)
+                     if len(fields) == 6 and "/libgomp" in fields[5]}
     except OSError:
         return []
     return sorted(p for p in paths if os.path.basename(p).startswith("libgomp"))

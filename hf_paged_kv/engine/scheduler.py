@@ -60,10 +60,10 @@ class Limits:
     growth_clip: int | None = 4096
 
     def __post_init__(self):
-        for name in ("max_running", "max_batch_tokens", "growth_clip"):
+        for name in ("max_running", "max_batch_tokens", "max_waiting", "growth_clip"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_waiting", "backfill_wait", "prefetch_depth", "growth_ratio_decay"):
+        for name in ("backfill_wait", "prefetch_depth", "growth_ratio_decay"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Limits.{name} must be >= 0, got {getattr(self, name)}")
         for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
