@@ -55,7 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def load(model: str, dtype: str, device: str):
     """`(model, tokenizer)` from a local directory, or the packaged SmolLM2; never downloads."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
     import torch
 
     torch_dtype = "auto" if dtype == "auto" else getattr(torch, dtype)

@@ -6,8 +6,10 @@ directory."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -25,7 +27,7 @@ pytest.importorskip("fastapi")
 import hf_paged_kv  # noqa: E402
 from hf_paged_kv import Engine, KVPool, Overloaded  # noqa: E402
 from hf_paged_kv.engine.scheduler import Limits  # noqa: E402
-from hf_paged_kv.engine.server import create_app  # noqa: E402
+from hf_paged_kv.engine.server import MAX_STOP_LENGTH, StopMatcher, create_app  # noqa: E402
 
 NAME = "tiny-llama"
 SPECIAL = {PAD, EOS}
@@ -176,6 +178,41 @@ def test_stop_strings_end_the_text_before_them(served, client):
     assert engine.stats()["requests_cancelled"] == before["requests_cancelled"]
 
 
+def test_a_stop_string_longer_than_the_cap_is_refused(client):
+    """Matching costs up to a stop string's length per token, on the event loop: the length is capped."""
+    at_cap = "w" * MAX_STOP_LENGTH
+    assert client.completions.create(model=NAME, prompt="w05", max_tokens=2, stop=[at_cap, "zz"]).choices
+    with pytest.raises(openai.BadRequestError, match=f"at most {MAX_STOP_LENGTH} characters") as refused:
+        client.completions.create(model=NAME, prompt="w05", max_tokens=2, stop=["zz", at_cap + "w"])
+    assert refused.value.param == "stop"
+
+
+def test_the_stop_matcher_holds_back_only_what_may_begin_a_stop_string():
+    matcher = StopMatcher(["abcd", "xyz"])
+    fed = [matcher.feed(piece) for piece in ("ab", "c", "xa", "bc", "abx", "y")]
+    assert fed == [("", False), ("", False), ("abcx", False), ("", False), ("abcab", False), ("", False)]
+    assert matcher.feed("qabcdxyz") == ("xyq", True)  # the text ends before the first stop string met
+
+
+def test_stop_token_ids_end_the_text_as_eos_does(served, client):
+    """vLLM's `stop_token_ids`: the token ends generation (`finish_reason: "stop"`), its text is
+    left out, its id is counted; also with `ignore_eos`."""
+    engine = served[0]
+    ids = torch.randint(3, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    expected = direct(engine, ids, 12)
+    cut = next(i for i in range(3, 11) if expected[i] not in expected[:i] and expected[i] not in SPECIAL)
+    extra = {"stop_token_ids": [expected[cut]], "return_token_ids": True}
+    out = client.completions.create(model=NAME, prompt=ids, max_tokens=12, temperature=0, extra_body=extra)
+    choice = out.choices[0]
+    assert choice.model_extra["token_ids"] == expected[: cut + 1] and out.usage.completion_tokens == cut + 1
+    assert choice.text.split() == words(expected[:cut]) and choice.finish_reason == "stop"
+    streamed = [c.choices[0] for c in client.completions.create(
+        model=NAME, prompt=ids, max_tokens=12, temperature=0, stream=True, extra_body=extra | {"ignore_eos": True})]
+    assert "".join(c.text for c in streamed).split() == words(expected[:cut])
+    assert [t for c in streamed for t in c.model_extra["token_ids"]] == expected[: cut + 1]
+    assert streamed[-1].finish_reason == "stop"
+
+
 def test_seeded_sampling_is_reproducible(client):
     kwargs = dict(model=NAME, prompt="w05 w06 w07", max_tokens=12, temperature=0.9, top_p=0.95, seed=123)
     first, again = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
@@ -216,12 +253,19 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
                          ({"frequency_penalty": 0.5}, "frequency_penalty"),
                          ({"whatever": 1}, "whatever"), ({"temperature": 3}, "temperature"),
                          ({"max_tokens": 5000}, "max_tokens"), ({"prompt": [1, 999]}, "prompt"),
-                         ({"prompt": ["w05", "w06"]}, "prompt"), ({"max_tokens": "many"}, "max_tokens")):
+                         ({"prompt": ["w05", "w06"]}, "prompt"), ({"max_tokens": "many"}, "max_tokens"),
+                         ({"max_tokens": True}, "max_tokens"), ({"prompt": [True, 5]}, "prompt"), ({"n": True}, "n"),
+                         ({"stop_token_ids": [999]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
+                         ({"repetition_penalty": 1.2}, "repetition_penalty"),
+                         ({"skip_special_tokens": 1}, "skip_special_tokens"),  # a bool's neutral value is a bool
+                         ({"add_generation_prompt": True}, "add_generation_prompt")):  # chat only
         answer = httpx.post(url, json=base | extra)
         assert answer.status_code == 400, (extra, answer.text)
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"], extra
     assert httpx.post(url, json=base | {"frequency_penalty": 0, "logit_bias": {}}).status_code == 200  # neutral
+    for number in (1, 1.0):  # strict numbers still take a JSON integer where a float is expected
+        assert httpx.post(url, json=base | {"temperature": number, "top_p": number}).status_code == 200
     public = httpx.post(url, json=base, headers={"X-Tenant": "__public__"})  # the namespace every tenant reads
     assert public.status_code == 400 and "tenant must be" in public.json()["error"]["message"], public.text
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
@@ -230,6 +274,104 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
         client.completions.create(model="gpt-4", prompt="w05")
     with pytest.raises(openai.BadRequestError, match="tool"):
         client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "w05", "tool_call_id": "1"}])
+
+
+VLLM_NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "skip_special_tokens": True,
+                "include_stop_str_in_output": False, "stop_token_ids": []}
+
+
+def test_a_vllm_client_neutral_extensions_are_accepted(served):
+    url = served[1]
+    completion = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2} | VLLM_NEUTRAL
+    chat = {"model": NAME, "messages": [{"role": "user", "content": "w05"}], "max_tokens": 2,
+            "add_generation_prompt": True, "chat_template_kwargs": {}} | VLLM_NEUTRAL
+    for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
+        answer = httpx.post(url + route, json=body)
+        assert answer.status_code == 200, answer.text
+
+
+def test_errors_name_the_field_at_fault(served):
+    """The prompt when it alone is too long, else the field that set the completion's length, as
+    the client spelled it; null for a body that is no JSON object."""
+    url = served[1]
+
+    def error(route: str, **request) -> dict:
+        answer = httpx.post(url + route, **request)
+        assert answer.status_code == 400, answer.text
+        return answer.json()["error"]
+
+    def completion(prompt, max_tokens) -> dict:
+        return error("/v1/completions", json={"model": NAME, "prompt": prompt, "max_tokens": max_tokens})
+
+    def chat(content: str, **limit) -> dict:
+        return error("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": content}]}
+                     | limit)
+
+    context = served[0].model.config.max_position_embeddings
+    too_long = completion([5] * context, 1)
+    assert (too_long["param"], too_long["code"]) == ("prompt", "context_length_exceeded")
+    assert "shorten the prompt" in too_long["message"]
+    assert completion([5] * (context - 10), 20)["param"] == "max_tokens"  # the sum is too long
+    assert chat(" ".join(["w10"] * context), max_tokens=5)["param"] == "messages"
+    for limit in (0, context):
+        named = chat("w10", max_completion_tokens=limit)
+        assert named["param"] == "max_completion_tokens" and "max_tokens" not in named["message"], named
+    assert "max_completion_tokens must be at least 1" in chat("w10", max_completion_tokens=0)["message"]
+    assert chat("w10", max_tokens=0)["param"] == "max_tokens"
+    malformed = error("/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert malformed["param"] is None and "character" in malformed["message"]
+    assert error("/v1/completions", json=[1, 2])["param"] is None
+
+
+def test_chat_history_sent_back_as_the_client_received_it(client):
+    """An answer's message `model_dump()`-ed into the next request carries the fields of an
+    answer this server never fills (refusal, tool_calls, ...), empty: they are dropped. A field
+    with content is refused, by name."""
+    question, follow_up = {"role": "user", "content": "w10 w11"}, {"role": "user", "content": "w12"}
+    answer = client.chat.completions.create(model=NAME, messages=[question], max_tokens=3, temperature=0)
+    received = answer.choices[0].message.model_dump()
+    assert {"refusal", "tool_calls", "function_call"} <= received.keys()
+
+    def prompt_ids(assistant: dict) -> list[int]:
+        out = client.chat.completions.create(model=NAME, messages=[question, assistant, follow_up], max_tokens=1,
+                                             extra_body={"return_token_ids": True})
+        return out.model_extra["prompt_token_ids"]
+
+    plain = prompt_ids({"role": "assistant", "content": received["content"]})
+    assert prompt_ids(received) == plain
+    assert prompt_ids(received | {"tool_calls": [], "annotations": [], "audio": {}, "refusal": ""}) == plain
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(openai.BadRequestError, match="tool_calls") as refused:
+        prompt_ids(received | {"tool_calls": [call]})
+    assert refused.value.param == "messages[1].tool_calls"
+
+
+SLOW_TOKENIZERS = [("/v1/completions", "encode", {"prompt": "w05 w06"}),
+                   ("/v1/chat/completions", "apply_chat_template", {"messages": [{"role": "user", "content": "w05"}]})]
+
+
+@pytest.mark.parametrize("route, method, prompt", SLOW_TOKENIZERS)
+def test_a_slow_tokenization_does_not_stall_the_server(served, monkeypatch, route, method, prompt):
+    """Prompts are tokenized and chat templates applied off the event loop: while one request's
+    tokenizer works, the server answers others."""
+    tokenizer, url = served[0].tokenizer, served[1]
+    working, release = threading.Event(), threading.Event()
+    tokenize = getattr(tokenizer, method)
+
+    def slow(*args, **kwargs):
+        working.set()
+        release.wait(30)
+        return tokenize(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, method, slow)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, url + route, json={"model": NAME, "max_tokens": 2} | prompt, timeout=30)
+        try:
+            assert working.wait(5), "the tokenizer was not called"
+            assert httpx.get(url + "/health", timeout=2).status_code == 200
+        finally:
+            release.set()
+        assert answer.result().status_code == 200, answer.result().text
 
 
 def test_a_tiny_temperature_a_negative_seed_message_names_and_stream_options(served, client):
@@ -274,6 +416,10 @@ def test_a_chat_without_max_tokens_fills_a_pool_smaller_than_the_context():
     error = answer.json()["error"]
     assert answer.status_code == 400 and error["code"] == "kv_pool_too_small", answer.text
     assert error["param"] == "messages" and "fills the KV pool (128 tokens" in error["message"]
+    with TestClient(create_app(engine, NAME)) as http:  # also with max_tokens: the prompt is at fault
+        answer = http.post("/v1/completions", json={"model": NAME, "prompt": [5] * 128, "max_tokens": 1})
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and (error["param"], error["code"]) == ("prompt", "kv_pool_too_small"), error
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 
@@ -326,15 +472,32 @@ def test_a_streaming_client_that_disconnects_cancels_its_request(served):
     cancelled_after(engine, disconnect)
 
 
-def test_a_waiting_non_streaming_client_that_disconnects_cancels_its_request(served):
+def test_a_waiting_non_streaming_client_that_disconnects_cancels_its_request(served, monkeypatch):
+    """The engine's forwards wait until the server cancels the request: however fast the
+    machine, the request cannot finish before its client gives up."""
     engine, url = served
     body = {"model": NAME, "prompt": "w08 w09", "max_tokens": 900, "ignore_eos": True}
+    cancelled, cancel = threading.Event(), engine.cancel
+
+    def cancel_and_release(handle, outcome="cancelled"):
+        cancel(handle, outcome)
+        cancelled.set()
+
+    def wait_for_the_cancel(module, args):
+        cancelled.wait(30)
+
+    monkeypatch.setattr(engine, "cancel", cancel_and_release)
+    hook = engine.model.get_input_embeddings().register_forward_pre_hook(wait_for_the_cancel)
 
     def disconnect():
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+            httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.2))
 
-    cancelled_after(engine, disconnect)
+    try:
+        cancelled_after(engine, disconnect)
+    finally:
+        cancelled.set()
+        hook.remove()
 
 
 class ScriptedHandle:
@@ -413,15 +576,18 @@ def test_serve_refuses_a_missing_model_directory(tmp_path):
         serve.main(["--model", str(tmp_path)])
 
 
-def test_serve_builds_an_app_from_a_model_directory(tmp_path):
+def test_serve_builds_an_app_from_a_model_directory(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 
     from hf_paged_kv import serve
 
     make_model("llama", seed=13).save_pretrained(tmp_path / "tiny")
     word_tokenizer().save_pretrained(tmp_path / "tiny")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     app = serve.build_app(serve.parse_args(["--model", str(tmp_path / "tiny"), "--num-blocks", "32",
                                             "--block-size", "8", "--max-running", "4", "--device", "cpu"]))
+    # nothing is downloaded (local_files_only), and the process's environment is left as it was
+    assert "HF_HUB_OFFLINE" not in os.environ
     engine = app.state.engine
     assert (engine.pool.num_blocks, engine.pool.block_size, engine.limits.max_running) == (32, 8, 4)
     with TestClient(app) as http:

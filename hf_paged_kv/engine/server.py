@@ -12,12 +12,20 @@ starts and stops it when it stops.
 - `temperature: 0` is greedy; otherwise `temperature`, `top_p` (and the extension `top_k`)
   sample, reproducibly with `seed` (any 64-bit integer). `n` must be 1. A chat completion
   without `max_tokens` may fill what the context leaves, or what one request can hold in the
-  pool if that is less. A message's `name` goes to the chat template. `stop` (up to 4 strings) ends the text before
-  the first match. Extensions as in vLLM: `ignore_eos`, `return_token_ids` (the token ids of the
-  prompt and of each choice, or of each chunk's text).
+  pool if that is less. A message's `name` goes to the chat template; the fields of an answer
+  sent back as history (`refusal`, `tool_calls`, ...) are dropped when empty. `stop` (up to 4
+  strings of up to 1,000 characters) ends the text before the first match. Extensions as in
+  vLLM: `ignore_eos`, `return_token_ids` (the token ids of the prompt and of each choice, or of
+  each chunk's text), `stop_token_ids` (tokens that end the text as EOS does, their text left
+  out, with `finish_reason: "stop"`). Integer fields take integers only, not `true`.
 - A field this server does not implement is refused with a 400 in OpenAI's error shape, unless
-  it carries its neutral value (`frequency_penalty: 0`, `logit_bias: {}`, ...), as many clients
-  send those by default. Unknown fields are refused too.
+  it carries its neutral value (`frequency_penalty: 0`, `logit_bias: {}`, ...; of vLLM's
+  extensions `repetition_penalty: 1`, `min_p: 0`, `min_tokens: 0`, `skip_special_tokens: true`,
+  `include_stop_str_in_output: false`, and in chat `add_generation_prompt: true`,
+  `chat_template_kwargs: {}`), as many clients send those by default. Unknown fields are
+  refused too.
+- Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
+  huge prompt does not stall the other streams.
 - The tenant of a request (whose cached KV it may reuse) is the `X-Tenant` header, else the
   `user` field, else "default"; `X-Priority` (an int) sets its scheduling priority.
 - When the engine sheds load the answer is 429 with `Retry-After` (whole seconds, rounded up),
@@ -32,15 +40,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Overloaded, PagedKVError
@@ -48,19 +57,28 @@ from .request import RequestFailed
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_STOP_STRINGS = 4
+# Matching a stop string costs up to its length per token, on the event loop: OpenAI documents
+# no limit, and a stop string of a thousand characters is already more than a sentence.
+MAX_STOP_LENGTH = 1000
 DETOKENIZER_CONTEXT = 5  # prompt tokens decoded with a completion's first tokens (leading spaces)
 ANY = object()
 
 # Fields of OpenAI's API this server does not implement, with the values that mean "off".
+# vLLM's extensions too: a client written for vLLM sends their neutral values by default.
 NEUTRAL_COMMON = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
-                  "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY}
+                  "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY,
+                  "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
+                  "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False)}
 NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
                                        "suffix": (None, "")}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
     "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
-    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,)}
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
+    "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {})}
+# What a message sent back as history holds in the fields of an answer this server never gives.
+EMPTY_VALUES = (None, [], {}, "")
 
 
 # ------------------------------------------------------------------------------------ errors
@@ -97,31 +115,42 @@ class StreamOptions(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """The fields both endpoints share; anything else lands in `model_extra` and is checked."""
+    """The fields both endpoints share; anything else lands in `model_extra` and is checked.
+    Numbers are strict: pydantic's lax mode would take JSON's `true` for 1."""
 
     model_config = ConfigDict(extra="allow")
+    prompt_field: ClassVar[str] = "prompt"  # what errors about the prompt name
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM): 0 or -1 is off
-    n: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None  # strict still takes an integer (1), not a bool
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None  # extension (vLLM): 0 or -1 is off
+    n: StrictInt | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     user: str | None = None
     ignore_eos: bool | None = False  # extension (vLLM)
     return_token_ids: bool | None = False  # extension (vLLM)
+    stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
+
+    def max_tokens_field(self) -> str:
+        """The field that set the completion's length, as errors about it name it."""
+        return "max_tokens"
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
 
 
 class ChatRequest(GenerationRequest):
+    prompt_field: ClassVar[str] = "messages"
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
+
+    def max_tokens_field(self) -> str:
+        return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
 
 
 def check_extras(body: GenerationRequest, neutral: dict) -> None:
@@ -129,10 +158,16 @@ def check_extras(body: GenerationRequest, neutral: dict) -> None:
         if name not in neutral:
             raise invalid(f"Unrecognized request argument supplied: {name}", param=name)
         allowed = neutral[name]
-        if allowed is not ANY and not any(value == v for v in allowed):
+        if allowed is not ANY and not any(same_value(value, v) for v in allowed):
             shown = " or ".join(json.dumps(v) for v in allowed)
             raise invalid(f"'{name}' is not supported by this server (hf_paged_kv); omit it or send {shown}",
                           param=name, code="unsupported_parameter")
+
+
+def same_value(value, neutral) -> bool:
+    """`value == neutral`, but a bool equals only a bool (Python's `True == 1` would let
+    `repetition_penalty: true` pass for 1)."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 # -------------------------------------------------------------------------------- text output
@@ -177,9 +212,17 @@ class StopMatcher:
         if hits:
             emit, self.pending = self.pending[: min(hits)], ""
             return emit, True
-        hold = max((k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0)
+        hold = max((self.overlap(s) for s in self.stops), default=0)
         emit, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
         return emit, False
+
+    def overlap(self, stop: str) -> int:
+        """The length of the longest tail of the pending text that begins `stop`: from the
+        longest candidate down, so that a match usually ends the search at once."""
+        for k in range(min(len(stop) - 1, len(self.pending)), 0, -1):
+            if stop.startswith(self.pending[-k:]):
+                return k
+        return 0
 
     def flush(self) -> str:
         emit, self.pending = self.pending, ""
@@ -202,6 +245,8 @@ class Generation:
             async for token in stream:
                 self.tokens.append(token)
                 ids.append(token)
+                if token in self.eos:  # the token that ends the text is no part of it (as vLLM's stop_token_ids)
+                    continue
                 text, stopped = self.stops.feed(self.detokenizer.add(token))
                 if stopped:
                     break
@@ -327,6 +372,12 @@ class OpenAIServer:
         self.vocab_size = engine.model.get_input_embeddings().num_embeddings
         self.default_max_tokens = default_max_tokens
         self.created = int(time.time())
+        # Prompts are tokenized on worker threads, one at a time: a fast tokenizer's first call may
+        # switch off the padding or truncation it was saved with, and that change must not meet
+        # another call – made here, before any request, so the decodes on the event loop never do.
+        self.tokenizing = threading.Lock()
+        if self.tokenizer is not None:
+            self.tokenizer.encode("")
 
     # ------------------------------------------------------------------ prompts
     def check_model(self, name: str) -> None:
@@ -339,14 +390,17 @@ class OpenAIServer:
             if len(prompt) != 1:
                 raise invalid("batched prompts are not supported: send one prompt per request", "prompt")
             prompt = prompt[0]
-        ids = self.tokenize(prompt, special=True) if isinstance(prompt, str) else [int(t) for t in prompt]
-        out_of_range = [t for t in ids if not 0 <= t < self.vocab_size]
-        if out_of_range:
-            raise invalid(f"token ids {out_of_range[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
-                          "prompt")
+        ids = self.tokenize(prompt, special=True) if isinstance(prompt, str) else list(prompt)
+        self.check_vocabulary(ids, "prompt")
         if not ids:
             raise invalid("the prompt is empty", "prompt")
         return ids
+
+    def check_vocabulary(self, ids: list[int], field: str) -> None:
+        out_of_range = [t for t in ids if not 0 <= t < self.vocab_size]
+        if out_of_range:
+            raise invalid(f"token ids {out_of_range[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
+                          field)
 
     def chat_prompt(self, messages: list[dict]) -> list[int]:
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
@@ -355,7 +409,8 @@ class OpenAIServer:
             raise invalid("messages is empty", "messages")
         rendered = [chat_message(m, i) for i, m in enumerate(messages)]
         try:
-            text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+            with self.tokenizing:
+                text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
         except Exception as error:  # noqa: BLE001 - templates raise what they like (role order, ...)
             raise invalid(f"the chat template refused these messages: {error}", "messages") from error
         return self.tokenize(text, special=False)  # the template already holds the special tokens
@@ -363,7 +418,8 @@ class OpenAIServer:
     def tokenize(self, text: str, special: bool) -> list[int]:
         if self.tokenizer is None:
             raise invalid("this server has no tokenizer: send the prompt as a list of token ids", "prompt")
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=special)["input_ids"]]
+        with self.tokenizing:
+            return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=special)]
 
     # --------------------------------------------------------------- parameters
     def sampling(self, body: GenerationRequest, prompt_length: int, max_tokens: int) -> dict:
@@ -383,28 +439,39 @@ class OpenAIServer:
             raise invalid(f"seed must be a 64-bit integer, got {body.seed}", "seed")
         if body.stream_options is not None and not body.stream:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
-        self.check_length(prompt_length, max_tokens)
+        self.check_length(prompt_length, max_tokens, body)
         return dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
-                    top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=[] if body.ignore_eos else None)
+                    top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=self.end_tokens(body))
 
-    def check_length(self, prompt_length: int, max_tokens: int) -> None:
+    def end_tokens(self, body: GenerationRequest) -> list[int]:
+        """The tokens that end the text: the model's EOS (unless `ignore_eos`) and `stop_token_ids`."""
+        stop_ids = body.stop_token_ids or []
+        self.check_vocabulary(stop_ids, "stop_token_ids")
+        return ([] if body.ignore_eos else list(self.engine.eos)) + stop_ids
+
+    def check_length(self, prompt_length: int, max_tokens: int, body: GenerationRequest) -> None:
+        tokens_field = body.max_tokens_field()
         if max_tokens < 1:
-            raise invalid(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
+            raise invalid(f"{tokens_field} must be at least 1, got {max_tokens}", tokens_field)
         total = prompt_length + max_tokens
+        asked = f"{total} tokens ({prompt_length} in the prompt, {max_tokens} for the completion)"
         if self.context is not None and total > self.context:
+            field, advice = blame(body, prompt_length, self.context)
             raise invalid(f"This model's maximum context length is {self.context} tokens. However, you requested "
-                          f"{total} tokens ({prompt_length} in the prompt, {max_tokens} for the completion). "
-                          "Please reduce the prompt or max_tokens.", "max_tokens", "context_length_exceeded")
+                          f"{asked}. Please {advice}.", field, "context_length_exceeded")
         pool = self.engine.pool
-        if math.ceil(total / pool.block_size) > pool.num_blocks:
-            raise invalid(f"{total} tokens ({prompt_length} in the prompt, {max_tokens} for the completion) need "
-                          f"more KV blocks than the server's pool holds ({pool.num_blocks} of {pool.block_size} "
-                          "tokens): reduce max_tokens", "max_tokens", "kv_pool_too_small")
+        if total > pool.num_blocks * pool.block_size:
+            field, advice = blame(body, prompt_length, pool.num_blocks * pool.block_size)
+            raise invalid(f"{asked} need more KV blocks than the server's pool holds ({pool.num_blocks} of "
+                          f"{pool.block_size} tokens): {advice}", field, "kv_pool_too_small")
 
     def stop_strings(self, stop) -> list[str]:
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         if len(stops) > MAX_STOP_STRINGS:
             raise invalid(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+        longest = max(map(len, stops), default=0)
+        if longest > MAX_STOP_LENGTH:
+            raise invalid(f"a stop string may hold at most {MAX_STOP_LENGTH} characters, got {longest}", "stop")
         if stops and self.tokenizer is None:
             raise invalid("stop strings need a tokenizer, which this server lacks", "stop")
         return stops
@@ -449,8 +516,8 @@ class OpenAIServer:
         params = self.sampling(body, len(ids), max_tokens)
         stops = self.stop_strings(body.stop)
         handle = self.submit(ids, params, *self.who(request, body))
-        eos = set() if body.ignore_eos else set(self.engine.eos)
-        generation = Generation(handle, Detokenizer(self.tokenizer, context), StopMatcher(stops), eos)
+        generation = Generation(handle, Detokenizer(self.tokenizer, context), StopMatcher(stops),
+                                set(params["eos_token_id"]))
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
         if body.stream:
             # The status line waits for the first piece: a request shed or failed before its
@@ -498,6 +565,14 @@ class OpenAIServer:
         yield sse("[DONE]")
 
 
+def blame(body: GenerationRequest, prompt_length: int, capacity: int) -> tuple[str, str]:
+    """(the field to name, the advice) for a request over `capacity` tokens: the prompt when it
+    alone leaves no room for a single token, else the field that set the completion's length."""
+    if prompt_length >= capacity:
+        return body.prompt_field, f"shorten the {body.prompt_field}"
+    return body.max_tokens_field(), f"reduce {body.max_tokens_field()}"
+
+
 def chat_message(message: dict, index: int) -> dict:
     """One OpenAI chat message as the chat template expects it: a role and a string content (and
     its `name`, for templates that show it)."""
@@ -506,9 +581,13 @@ def chat_message(message: dict, index: int) -> dict:
     role = "system" if role == "developer" else role
     if role not in ("system", "user", "assistant"):
         raise invalid(f"{where}.role must be system, developer, user or assistant, got {role!r}", f"{where}.role")
-    unknown = set(message) - {"role", "content", "name"}
-    if unknown:
-        raise invalid(f"{where} has fields this server does not support: {sorted(unknown)}", where)
+    # history sent back as the client received it (`ChatCompletionMessage.model_dump()`) holds
+    # the fields of an answer this server never gives, empty: those say nothing, and are dropped
+    unsupported = sorted(k for k, v in message.items()
+                         if k not in ("role", "content", "name") and v not in EMPTY_VALUES)
+    if unsupported:
+        raise invalid(f"{where} has fields this server does not support: {unsupported}",
+                      f"{where}.{unsupported[0]}")
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
                    for p in content):
@@ -550,7 +629,8 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
     async def completions(body: CompletionRequest, request: Request):
         check_extras(body, NEUTRAL_COMPLETION)
         server.check_model(body.model)
-        ids = server.completion_prompt(body.prompt)
+        # on a worker thread, as the chat's below: a huge prompt must not stall the other streams
+        ids = await asyncio.to_thread(server.completion_prompt, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await server.respond(request, body, ids, TextFormat(), max_tokens, ids[-DETOKENIZER_CONTEXT:])
 
@@ -558,7 +638,7 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
     async def chat_completions(body: ChatRequest, request: Request):
         check_extras(body, NEUTRAL_CHAT)
         server.check_model(body.model)
-        ids = server.chat_prompt(body.messages)
+        ids = await asyncio.to_thread(server.chat_prompt, body.messages)
         return await server.respond(request, body, ids, ChatFormat(), server.chat_max_tokens(body, len(ids)), [])
 
     @app.get("/v1/models")
@@ -595,9 +675,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     async def validation_error(request: Request, error: RequestValidationError):
         problems = error.errors()
-        fields = [".".join(str(part) for part in p.get("loc", ())[1:]) for p in problems]
-        message = "; ".join(f"{f or 'body'}: {p.get('msg')}" for f, p in zip(fields, problems))
-        return invalid(f"invalid request: {message}", fields[0] if fields else None).response()
+        message = "; ".join(f"{located(p) or 'body'}: {p.get('msg')}" for p in problems)
+        return invalid(f"invalid request: {message}", problem_field(problems[0]) if problems else None).response()
 
     async def http_error(request: Request, error: StarletteHTTPException):
         kind = "invalid_request_error" if error.status_code < 500 else "server_error"
@@ -610,3 +689,18 @@ def add_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, unexpected)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+
+
+def located(problem: dict) -> str:
+    """Where in the body a validation problem lies: a dotted path, or for malformed JSON the
+    character where decoding failed."""
+    where = ".".join(str(part) for part in problem.get("loc", ())[1:])
+    return f"character {where}" if problem.get("type") == "json_invalid" else where
+
+
+def problem_field(problem: dict) -> str | None:
+    """The top-level field a validation problem is about (the message holds its full path,
+    with a union's member tags that pydantic adds), or None for the body as a whole: malformed
+    JSON, whose location is a character position, or a body that is no object."""
+    path = problem.get("loc", ())[1:]
+    return None if problem.get("type") == "json_invalid" or not path else str(path[0])
