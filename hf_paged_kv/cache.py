@@ -22,13 +22,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import prefill, step
+from . import history, prefill, step
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError
 from .pool import KVPool
 from .reuse.pins import TurnPins
@@ -45,6 +46,7 @@ class _Forward:
     inherited: np.ndarray  # per row: leading real tokens already stored (a reused prefix)
     lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
     new_turn: bool  # the forward begins a turn of the conversation (`pin_turns` counts them)
+    thread: threading.Thread  # the one running it: another may not begin a forward meanwhile
 
 
 class PagedCache(Cache):
@@ -164,9 +166,7 @@ class PagedCache(Cache):
         their blocks and reads the whole sequence from the pool."""
         self._check_alive()
         if step.current() is None:
-            raise NotEnabledError(
-                "PagedCache needs its model prepared by `hf_paged_kv.enable(model)` before generate/forward"
-            )
+            raise NotEnabledError("PagedCache needs its model prepared by `hf_paged_kv.enable(model)` before generate/forward")
         return key_states, value_states
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -224,22 +224,24 @@ class PagedCache(Cache):
         generate; `new_turn`: the forward begins a turn, by default when it feeds more than one
         token). Raises PoolExhaustedError before changing anything when the pool is full."""
         self._check_alive()
-        if self._forward is not None:  # the previous forward never finished (interrupted)
+        if self._forward is not None:  # the previous forward never finished (interrupted), or runs now
+            if self._forward.thread is not threading.current_thread() and self._forward.thread.is_alive():
+                raise PagedKVError("this PagedCache is in a forward on another thread: use one PagedCache per thread")
             self.abort_forward()
         self._bind(pool, model)
-        batch, width = shape
-        real = _stored_columns(attention_mask, batch, width)
-        ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full((batch, width), -1)
+        history.follow_mask(pool, self.sequences, attention_mask)  # a later turn may mask what an earlier one stored
+        real = prefill.stored_columns(attention_mask, *shape)
+        ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
         fresh = not self.sequences
-        if not fresh and len(self.sequences) != batch:
-            raise PagedKVError(f"batch size changed from {len(self.sequences)} to {batch} rows within one "
+        if not fresh and len(self.sequences) != len(real):
+            raise PagedKVError(f"batch size changed from {len(self.sequences)} to {len(real)} rows within one "
                                "PagedCache; use a fresh PagedCache for a new batch")
         reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
         sequences, plan, inherited = prefill.prepare_forward(
             pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
             allow_reuse, logical)
-        before, turn = [] if fresh else [s.length for s in sequences], width > 1 if new_turn is None else new_turn
-        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before, turn)
+        before, turn = [] if fresh else [s.length for s in sequences], real.shape[1] > 1 if new_turn is None else new_turn
+        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before, turn, threading.current_thread())
         if fresh:
             self.inherited = inherited.tolist()
         return plan
@@ -297,15 +299,3 @@ class PagedCache(Cache):
     def __repr__(self) -> str:
         state = "released" if self._released else f"rows={len(self.sequences)}, seq_len={self.get_seq_length()}"
         return f"PagedCache({state}, blocks={sum(len(s.blocks) for s in self.sequences)})"
-
-
-def _stored_columns(attention_mask, batch: int, width: int) -> np.ndarray:
-    """bool `[B, T]`: which of the forward's columns hold real tokens (stored), from the mask's tail."""
-    if attention_mask is None:
-        return np.ones((batch, width), dtype=bool)
-    if attention_mask.dim() != 2:
-        raise PagedKVError(
-            f"PagedCache needs a 2D [batch, length] attention_mask (got {attention_mask.dim()}D): it reads padding from it"
-        )
-    prefill.check_mask(tuple(attention_mask.shape), batch, width)
-    return attention_mask[:, -width:].detach().cpu().numpy().astype(bool)

@@ -220,16 +220,20 @@ def _paged_forward(model, original):
         new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
         fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
         extras = _per_token_extras(kwargs)
-        may_skip = _may_skip(args, kwargs, extras)
+        # KV at other positions than generate's must not be shared: hashes say token ids only
+        counted = prefill.positions_counted(cache.sequences, prefill.stored_columns(kwargs.get("attention_mask"), *shape),
+                                            kwargs.get("position_ids"))
+        may_skip = counted and _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
             _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
                                      kwargs.get("attention_mask"))
         need_weights = kwargs.get("output_attentions")
         need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
-        # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well: the cache is
-        # then told no ids, as with inputs_embeds, so no rows are merged and nothing is indexed or
-        # inherited by ids (equal ids with other token types gave another row's tokens)
-        plan = cache.begin_forward(state.pool, fingerprint, None if extras else input_ids, kwargs.get("attention_mask"),
+        # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
+        # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
+        # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
+        known_ids = input_ids if counted and not extras else None
+        plan = cache.begin_forward(state.pool, fingerprint, known_ids, kwargs.get("attention_mask"),
                                    shape, may_skip, logical=need_weights, new_turn=new_turn)
         if plan.skip:
             args, kwargs = _drop_columns(args, kwargs, plan.skip)
@@ -322,7 +326,9 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
                                     "hf_paged_kv pages decoder self-attention only")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer, plan = module.layer_idx, current.plan
-    current.backend.write(plan, layer, key, value)
+    # stored without their graph: the pool outlives the forward, and holding its autograd graph
+    # would keep every grad-enabled forward's activations alive (gradients never reach stored KV)
+    current.backend.write(plan, layer, key.detach(), value.detach())
     out, weights = current.backend.attention(query, layer, plan, scale, sliding_window, softcap,
                                              need_weights=current.need_weights, new_kv=(key, value))
     if weights is not None:

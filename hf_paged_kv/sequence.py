@@ -74,6 +74,15 @@ class Sequence:
         self._find_gap()
         return self.truncate(stored, block_size)
 
+    def unstore(self, logical: np.ndarray, keep: int, block_size: int) -> list[int]:
+        """Turn the stored tokens at `logical` positions into pads and keep only the first `keep`
+        stored tokens (block-aligned; the caller stores the rest again); returns the block ids dropped."""
+        history = np.frombuffer(bytes(self.history), dtype=np.uint8).copy()
+        history[logical] = 0
+        self.history = bytearray(history.tobytes())
+        self._find_gap()
+        return self.truncate(keep, block_size)
+
     def logical_positions(self) -> np.ndarray:
         """Logical position of every stored token."""
         return np.flatnonzero(np.frombuffer(bytes(self.history), dtype=np.uint8))

@@ -104,3 +104,80 @@ def test_token_types_are_part_of_what_the_kv_holds(reuse):
         assert cache.inherited == [0]
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+# ------------------------------------------------------------ the caller's own positions
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_tokens_at_the_callers_own_positions_are_never_shared_nor_served_shared_kv(arch):
+    """Block hashes say token ids only; K/V computed at other positions than generate's (each
+    real token at its rank) would be another request's wrong KV: such a forward inherits nothing
+    and offers nothing, and both sides equal DynamicCache."""
+    model = make_model(arch, seed=2)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(7))
+    mask, shifted = torch.ones_like(ids), torch.arange(20)[None] + 40
+    plain, expected_shifted = (generate(model, ids, mask, DynamicCache(), **kw) for kw in ({}, {"position_ids": shifted}))
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
+    with PagedCache() as cache:  # the prompt's blocks are cached at positions 0..19
+        generate(model, ids, mask, cache)
+    with PagedCache() as cache:
+        assert torch.equal(generate(model, ids, mask, cache, position_ids=shifted), expected_shifted)
+        assert cache.inherited == [0]
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
+    with PagedCache() as cache:  # a fresh pool: only the shifted forward's blocks could be cached
+        generate(model, ids, mask, cache, position_ids=shifted)
+    with PagedCache() as cache:
+        assert torch.equal(generate(model, ids, mask, cache), plain)
+        assert cache.inherited == [0]
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
+
+
+# --------------------------------------------------- a later turn's mask over stored tokens
+def chat(model, cache_factory, eos: int, first_turn: dict):
+    """Two turns of a batched chat on one cache; the second rebuilds its mask as `ids != PAD`,
+    so the pads generate appended after row 0's EOS (fed as tokens in turn 1) are masked."""
+    ids, mask = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)), torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3], ids[1, :3] = 0, PAD
+    cache = cache_factory()
+    torch.manual_seed(0)
+    turn1 = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, eos_token_id=eos,
+                           **({"do_sample": False} | first_turn))
+    ids2 = torch.cat([turn1, torch.tensor([[11, 12, 13]] * len(turn1))], 1)
+    turn2 = model.generate(input_ids=ids2, attention_mask=(ids2 != PAD).long(), past_key_values=cache,
+                           max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    return turn1, turn2, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("first_turn", [{}, {"do_sample": True, "num_return_sequences": 2}], ids=["rows", "shared-rows"])
+def test_a_later_turn_may_mask_tokens_an_earlier_one_stored(arch, first_turn):
+    model = make_model(arch, seed=4)
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, PAD
+    torch.manual_seed(0)
+    probe = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, **({"do_sample": False} | first_turn))
+    eos = int(probe[0, 11])  # row 0's second new token ends it: pads follow it for 6 steps
+    turn1, expected, _ = chat(model, DynamicCache, eos, first_turn)
+    assert (turn1[0, 12:] == PAD).all()  # the scenario holds: row 0 ended early
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=96, block_size=4))
+    _, got, cache = chat(model, PagedCache, eos, first_turn)
+    assert torch.equal(got, expected)
+    fed = torch.cat([turn1[0], torch.tensor([11, 12, 13])])
+    assert cache.row_lengths()[0] == int((fed != PAD).sum()) + 5  # the masked pads' K/V left the row
+    cache.release()
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
+
+
+def test_unmasking_a_pad_the_cache_never_stored_is_refused(llama):
+    ids, mask = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(2)), torch.ones(1, 12, dtype=torch.long)
+    mask[0, :4] = 0
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=4))
+    with PagedCache() as cache:
+        out = generate(llama, ids, mask, cache, new=2)
+        with pytest.raises(PagedKVError, match="unmasks position 0 of row 0, a pad"):
+            generate(llama, out, torch.ones_like(out), cache, new=2)
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(llama)

@@ -283,3 +283,41 @@ def test_a_pool_of_lower_precision_stores_it_and_tracks_full_precision():
         assert paged.argmax() == dynamic.argmax()
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+# ------------------------------------------------------------ gradients and threads
+def test_a_forward_with_gradients_on_leaves_no_graph_in_the_pool(llama):
+    """The pool outlives every forward: K/V stored with their autograd graph would keep each
+    grad-enabled forward's activations alive and break the next backward."""
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    ids = prompt(12, 5)
+    for _ in range(3):
+        with PagedCache(reuse=False) as cache:
+            llama(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache).logits.sum().backward()
+    assert not any(t.requires_grad for t in pool.key_cache + pool.value_cache)
+    llama.zero_grad()
+
+
+def test_one_cache_in_two_threads_at_once_is_refused(llama):
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    ids = prompt(12, 6)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    def hold(*_):
+        inside.set()
+        release.wait(30)
+
+    hook = llama.model.layers[0].register_forward_pre_hook(hold)
+    with PagedCache() as cache:
+        first = threading.Thread(target=lambda: llama(input_ids=ids, past_key_values=cache))
+        first.start()
+        assert inside.wait(30)
+        hook.remove()
+        try:
+            llama(input_ids=ids, past_key_values=cache)
+        except PagedKVError as error:
+            errors.append(str(error))
+        release.set()
+        first.join(30)
+        assert errors and "in a forward on another thread" in errors[0]
+        assert cache.row_lengths() == [12]  # the first thread's forward went through untouched
