@@ -39,6 +39,8 @@ class Limits:
     """The scheduler's knobs (the load controller moves some of them)."""
 
     max_running: int = 64
+    # tokens a forward holds: every running decode always runs (beyond this if max_running is
+    # larger), prefill chunks and new prompts take what is left
     max_batch_tokens: int = 512
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
