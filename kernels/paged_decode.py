@@ -102,7 +102,8 @@ def choose_splits(batch: int, kv_heads: int, max_kv_len: int, device: torch.devi
         return max(1, min(4, triton.cdiv(max_kv_len, 4 * TILE)))
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(programs, max(1, batch * kv_heads))
-    return max(1, min(triton.next_power_of_2(wanted), triton.cdiv(max_kv_len, 4 * TILE), 64))
+    splits = max(1, min(triton.next_power_of_2(wanted), triton.cdiv(max_kv_len, 4 * TILE), 64))
+    return 1 << (splits.bit_length() - 1)  # a power of two: each count is a compiled variant (7 at most, not 64)
 
 
 def paged_decode(

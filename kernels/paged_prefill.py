@@ -34,9 +34,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr, TILE: tl.constexpr, UPCAST: tl.constexpr, IS_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    head = tl.program_id(1).to(tl.int64)  # int64: head x stride and query x stride pass 2^31 on long prompts
     kv_head = head // GROUP
-    queries = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    queries = tl.program_id(2).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     query_ok = queries < num_new
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM

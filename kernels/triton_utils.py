@@ -8,6 +8,7 @@ check them with `check_dot_shape`, and CPU tests catch what only a GPU would).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -37,22 +38,31 @@ class Launch:
     constexprs: dict
 
     def run(self) -> None:
-        self.kernel[self.grid](*self.args, **self.constexprs)
+        # Triton launches on the current CUDA device: with a device map, a layer's tensors may be on another
+        device = next((a.device for a in self.args if torch.is_tensor(a) and a.is_cuda), None)
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+            self.kernel[self.grid](*self.args, **self.constexprs)
+
+
+def unsupported(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:
+    """Why the kernels do not implement this query and cache (None when they do)."""
+    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
+        return (f"Triton paged attention supports fp32/fp16/bf16 with matching query and cache dtypes, "
+                f"got query {query.dtype} and cache {key_cache.dtype}")
+    head_dim = query.shape[-1]
+    if head_dim not in SUPPORTED_HEAD_DIMS or key_cache.shape[-1] != head_dim:
+        return f"Triton paged attention supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}"
+    heads, kv_heads = query.shape[1], key_cache.shape[2]  # query: [B, H, D] or [B, H, T, D]
+    if heads % kv_heads:
+        return f"{heads} query heads are not a multiple of {kv_heads} KV heads"
+    return None
 
 
 def check_inputs(query: torch.Tensor, key_cache: torch.Tensor) -> None:
     """Refuse combinations the kernels do not implement, instead of computing a wrong answer."""
-    if query.dtype not in SUPPORTED_DTYPES or key_cache.dtype != query.dtype:
-        raise PagedKVError(
-            f"Triton paged attention supports fp32/fp16/bf16 with matching query and cache dtypes, "
-            f"got query {query.dtype} and cache {key_cache.dtype}"
-        )
-    head_dim = query.shape[-1]
-    if head_dim not in SUPPORTED_HEAD_DIMS or key_cache.shape[-1] != head_dim:
-        raise PagedKVError(f"Triton paged attention supports head dims {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    heads, kv_heads = query.shape[1], key_cache.shape[2]  # query: [B, H, D] or [B, H, T, D]
-    if heads % kv_heads:
-        raise PagedKVError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+    reason = unsupported(query, key_cache)
+    if reason is not None:
+        raise PagedKVError(reason)
 
 
 def check_device(query: torch.Tensor) -> None:

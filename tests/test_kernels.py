@@ -22,13 +22,13 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
 POISON = 300.0
 
 
-def pool_with_rows(kv_lens, block_size, kv_heads, head_dim, dtype, gen, spare_blocks):
+def pool_with_rows(kv_lens, block_size, kv_heads, head_dim, dtype, gen, spare_blocks, device=DEVICE):
     """A pool poisoned everywhere except the rows' slots, which hold random K/V, and the rows'
     shuffled block tables; `spare_blocks` blocks (block 0 among them) stay unused."""
     num_blocks = sum(-(-n // block_size) for n in kv_lens) + spare_blocks
     shape = (num_blocks, block_size, kv_heads, head_dim)
-    key_cache = torch.full(shape, POISON, dtype=dtype, device=DEVICE)
-    value_cache = torch.full(shape, -POISON, dtype=dtype, device=DEVICE)
+    key_cache = torch.full(shape, POISON, dtype=dtype, device=device)
+    value_cache = torch.full(shape, -POISON, dtype=dtype, device=device)
     tables = make_rows(kv_lens, block_size, num_blocks, gen)
     fill_rows(key_cache, value_cache, tables, kv_lens, gen)
     return key_cache, value_cache, tables
@@ -248,6 +248,41 @@ def test_generate_with_triton_backend_matches_torch_backend():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
+def test_head_dims_the_kernels_lack_run_on_the_torch_path_of_the_triton_backend():
+    """The tiny test models' head dim 16 (like Phi-2's 80 or Gemma's 256) is not a kernel
+    variant: the Triton backend attends with the torch path on the same device instead of
+    failing the forward, with the same tokens as the torch backend."""
+    from conftest import greedy, make_model, random_batch
+
+    import hf_paged_kv
+    from hf_paged_kv import KVPool, PagedCache
+
+    model = make_model("llama", seed=3).to(DEVICE)  # head dim 16
+    ids, mask = (t.to(DEVICE) for t in random_batch(2, 12, seed=4))
+
+    def run(backend):
+        hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=8), backend=backend)
+        with PagedCache() as cache:
+            out = greedy(model, cache, ids, mask, new_tokens=4)
+        hf_paged_kv.disable(model)
+        return out
+
+    torch.testing.assert_close(run("triton"), run("torch"), rtol=0, atol=0)
+
+
+def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
+    """Each split count is a compiled kernel variant: counts from 1 to 64 in powers of two only
+    (a new one every 256 tokens of context would stall long generations on the compiler)."""
+    from types import SimpleNamespace
+
+    from hf_paged_kv.kernels import paged_decode as module
+
+    monkeypatch.setattr(module.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = SimpleNamespace(type="cuda")
+    counts = {module.choose_splits(batch, 3, length, cuda) for batch in (1, 4, 16) for length in range(1, 32768, 97)}
+    assert counts <= {1, 2, 4, 8, 16, 32, 64} and len(counts) >= 5
+
+
 def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
     from conftest import make_model
 
@@ -312,7 +347,8 @@ def test_torch_backend_packed_forward_matches_reference(window, softcap, gather_
     gen = torch.Generator().manual_seed(5)
     block_size, kv_heads, heads, head_dim = 4, 2, 4, 16
     kv_lens, counts = [9, 30, 17, 4, 23, 13], [1, 6, 1, 4, 1, 1]
-    key_cache, value_cache, tables = pool_with_rows(kv_lens, block_size, kv_heads, head_dim, torch.float32, gen, 3)
+    # the torch backend on the CPU, whatever device the kernel tests run on
+    key_cache, value_cache, tables = pool_with_rows(kv_lens, block_size, kv_heads, head_dim, torch.float32, gen, 3, "cpu")
     tables[5, :4] = torch.arange(tables.max() + 1, tables.max() + 5)  # a decode in one run of blocks
     key_cache = torch.cat([key_cache, torch.randn(4, block_size, kv_heads, head_dim, generator=gen)])
     value_cache = torch.cat([value_cache, torch.randn(4, block_size, kv_heads, head_dim, generator=gen)])

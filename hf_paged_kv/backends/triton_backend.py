@@ -2,8 +2,9 @@
 sequence) or `paged_prefill` (several), straight from the blocks. The default on CUDA.
 
 Every launch size comes from the plan's host arrays, so a layer never waits for the GPU. The
-rare forwards the kernels do not cover – attention weights asked for, or sliding windows over a
-batch with holes in its padding – run on the torch backend's path instead.
+rare forwards the kernels do not cover – attention weights asked for, sliding windows over a
+batch with holes in its padding, head dims other than 64, 96 and 128 – run on the torch
+backend's path instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from hf_paged_kv.kernels.paged_decode import choose_splits, paged_decode
 from hf_paged_kv.kernels.paged_prefill import paged_prefill
+from hf_paged_kv.kernels.triton_utils import unsupported
 from hf_paged_kv.kernels.write_kv import write_kv
 
 from ..step import to_device
@@ -34,9 +36,11 @@ class TritonBackend:
                   new_kv=None):
         """`query` `[B, heads, T, head_dim]` against the paged KV of `layer`; same shape out.
         `new_kv` is not used: the kernels read every key from the pool."""
-        if need_weights or (window is not None and plan.q_logical is not None):
-            return self.fallback.attention(query, layer, plan, scale, window, softcap, need_weights)
         caches = self.pool.key_cache[layer], self.pool.value_cache[layer]
+        # what the kernels do not implement (weights, windows over holes, head dims such as 16, 80 or 256,
+        # mixed dtypes) runs on the torch backend, on the same device, instead of failing the forward
+        if need_weights or (window is not None and plan.q_logical is not None) or unsupported(query, caches[0]):
+            return self.fallback.attention(query, layer, plan, scale, window, softcap, need_weights)
         device = query.device
         tables, kv_lens, q_pos = (plan.on(name, device) for name in ("block_tables", "kv_lens", "q_pos"))
         if query.shape[0] == plan.num_sequences:  # one sequence per row
