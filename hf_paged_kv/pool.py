@@ -69,12 +69,10 @@ class KVPool:
         self.policy = Policy(half_life, ttl)
         self.semantic = semantic
         self.layers: list[LayerSpec] = []
-        self.key_cache: list[torch.Tensor] = []
-        self.value_cache: list[torch.Tensor] = []
+        self.key_cache, self.value_cache = [], []  # per layer: [num_blocks, block_size, kv_heads, head_dim]
         self.num_blocks = 0
-        self.allocator: BlockAllocator | None = None
-        self.reuse: ReuseManager | None = None
-        self.tiers: TierChain | None = None
+        # created by bind: BlockAllocator, ReuseManager, TierChain
+        self.allocator = self.reuse = self.tiers = None
         self._lock = threading.RLock()
         self._deferred: collections.deque = collections.deque()  # work queued by finalizers
 
@@ -226,13 +224,16 @@ class KVPool:
 
     # -------------------------------------------------------------- reuse glue
     def promote(self, digest: bytes, model: str, after: int | None = None) -> tuple[int, BlockMeta, str] | None:
-        """Bring `digest` back from the host or disk tier into a fresh device block (referenced),
-        right after block `after` when that one is free."""
+        """Bring `digest` back from a lower tier into a fresh referenced device block, after `after` if free."""
         tier = self.tiers.has(digest)
         if tier is None or self.num_available() < 1:
             return None
         (block,) = self.allocate(1, after)  # may demote other blocks, and push `digest` further down: ask again
-        meta = self.tiers.promote(digest, model, block, self.block_layers(block))
+        try:
+            meta = self.tiers.promote(digest, model, block, self.block_layers(block))
+        except BaseException:  # the copy failed (an I/O error, Ctrl-C): the block goes back
+            self.decref([block])
+            raise
         if meta is None:
             self.decref([block])
             return None

@@ -100,3 +100,61 @@ def test_unwritable_directory_drops_blocks_cleanly(tmp_path):
     assert stats["disk_write_errors"] > 0 and stats["disk_blocks"] == 0
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+def test_a_block_file_that_cannot_be_deleted_is_counted_never_fatal(tmp_path, monkeypatch):
+    """A read-only tier cannot delete an expired file: the request goes on (the file is
+    forgotten, counted in disk_delete_errors, warned once), and the pool stays consistent."""
+    from pathlib import Path
+
+    from conftest import manual_clock
+
+    model = make_model("llama", seed=73)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=tmp_path, ttl=60.0))
+    clock = manual_clock(pool)
+    prefix = tokens(2 * BLOCK, 8)
+    assert hf_paged_kv.persist(model, prefix) == 2 * BLOCK
+    clock[0] = 3600.0  # every file has expired
+
+    def refuse(path, missing_ok=False):
+        raise OSError(30, "Read-only file system", str(path))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    ids = torch.cat([prefix, tokens(3, 9)], 1)
+    with pytest.warns(UserWarning, match="cannot delete"):
+        with PagedCache() as cache:
+            got = greedy(model, cache, ids, torch.ones_like(ids), new_tokens=3)
+    monkeypatch.undo()
+    hf_paged_kv.disable(model)
+    torch.testing.assert_close(got, greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=3), rtol=0, atol=0)
+    assert pool.stats()["disk_delete_errors"] >= 1
+    assert_pool_clean(pool)
+
+
+def test_a_promotion_that_raises_keeps_no_block_it_found_before(tmp_path, monkeypatch):
+    """The second block of a prefix fails to come back from disk: the request fails with that
+    error, and the first block, already found and referenced, is given back."""
+    from hf_paged_kv.tiers.disk import DiskTier
+
+    writer = make_model("llama", seed=74)
+    hf_paged_kv.enable(writer, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=tmp_path))
+    prefix = tokens(2 * BLOCK, 10)
+    assert hf_paged_kv.persist(writer, prefix) == 2 * BLOCK
+    hf_paged_kv.disable(writer)
+    pool = hf_paged_kv.enable(writer, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=tmp_path))  # a restart
+    load, calls = DiskTier.load, []
+
+    def second_fails(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("the disk went away")
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiskTier, "load", second_fails)
+    ids = torch.cat([prefix, tokens(3, 11)], 1)
+    with pytest.raises(RuntimeError, match="the disk went away"):
+        with PagedCache() as cache:
+            greedy(writer, cache, ids, torch.ones_like(ids), new_tokens=2)
+    assert len(calls) == 2
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(writer)

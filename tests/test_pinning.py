@@ -234,3 +234,32 @@ def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
     for pin in (high, low, small):
         hf_paged_kv.unpin(model, pin)
     assert_pool_clean(pool)
+
+
+def test_a_pin_overlapping_a_displaced_one_keeps_the_budget(model):
+    """Displacing a pin whose blocks the new pin also holds frees none of them: the budget is
+    counted on the union, and a lower pin inside the new one stays."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=12, block_size=BLOCK, pin_budget=0.25))  # 3 blocks
+    first, second = tokens(2 * BLOCK, 60), tokens(2 * BLOCK, 61)
+    inside = hf_paged_kv.pin(model, first[:BLOCK], priority=0)  # block A
+    pair = hf_paged_kv.pin(model, second, priority=0)  # blocks B, C
+    hf_paged_kv.pin(model, first, priority=1)  # A and D: one more block than the budget has
+    stats = pool.stats()
+    assert stats["blocks_pinned"] <= stats["pin_budget_blocks"] == 3
+    kept = {p["id"] for p in stats["pins"]}
+    assert inside.id in kept and pair.id not in kept
+
+
+def test_a_hot_pin_stays_when_its_longer_prefix_is_refused(model):
+    import warnings
+
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=8, block_size=BLOCK, pin_budget=0.125, hot_threshold=2.0))
+    prompt = tokens(2 * BLOCK, 62)
+    for seed in range(3):  # the first block gets hot: pinned (the budget is one block)
+        skip_of(model, torch.cat([prompt[:BLOCK], tokens(1, 70 + seed)]))
+    assert [p["blocks"] for p in pool.stats()["pins"]] == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the refusal of the longer hot prefix warns once
+        for seed in range(4):  # both blocks hot: the longer prefix does not fit the budget
+            skip_of(model, torch.cat([prompt, tokens(1, 80 + seed)]))
+    assert [p["blocks"] for p in pool.stats()["pins"]] == [1] and pool.stats()["pins_refused"] > 0

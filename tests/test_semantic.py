@@ -153,3 +153,30 @@ def assert_semantic_clean(pool):
     assert report["references"] == report["references_by_semantic"] == len(held)
     stats = pool.stats()
     assert stats["blocks_free"] + stats["blocks_cached"] + len(held) == stats["num_blocks"]
+
+
+def test_a_block_rewritten_in_place_since_the_entry_was_made_is_not_served(setup, tokenizer):
+    """An entry's full block that its other holder crops and writes again in place (and the
+    index names for its new tokens) no longer holds the entry's KV: verification must cut there,
+    though the block was never freed."""
+    import copy
+
+    model, pool = setup
+    document = encode(tokenizer, DOCUMENT)
+    prompt, other = document[:, :24], encode(tokenizer, "Rain fell on the harbour all night long, and the fishing boats rocked against the old stone quay")[:, :14]
+    first = PagedCache(tenant="t")
+    with torch.no_grad():
+        model(input_ids=prompt, past_key_values=first)  # one full block and a partial one
+    twin = copy.deepcopy(first)  # shares both blocks
+    pool.clear_tenant("t")  # the full block is no longer indexed under the document's digest
+    first.release()  # the semantic entry: the document's 24 tokens on those two blocks
+    twin.crop(2)
+    with torch.no_grad():
+        model(input_ids=other, past_key_values=twin)  # fills the full block again, in place: indexed as other tokens
+    asked = torch.cat([prompt, document[:, 24:25]], 1)
+    expected = generate(model, asked, DynamicCache())
+    with PagedCache(tenant="t") as cache:
+        assert torch.equal(generate(model, asked, cache), expected)
+        assert cache.inherited == [0]
+    twin.release()
+    assert_pool_clean(pool)

@@ -71,20 +71,24 @@ class ReuseManager:
 
     def _exact(self, model: str, tenant: str, tokens, max_blocks: int, promote: Promote) -> list[int]:
         now, found = self.policy.now(), []
-        for mine, published in self.index.digest_pairs(model, tenant, tokens, max_blocks):
-            block = self.index.lookup(mine, now)
-            block = self.index.lookup(published, now) if block is None else block
-            if block is not None:
-                self.allocator.incref([block])
-            else:
-                after = found[-1] if found else None
-                promoted = promote(mine, after) or promote(published, after)
-                if promoted is None:
-                    break
-                block, meta, tier = promoted
-                self.index.adopt(block, meta, found[-1] if found else None)
-                self.counters[f"hit_tokens_{tier}"] += self.block_size
-            found.append(block)
+        try:
+            for mine, published in self.index.digest_pairs(model, tenant, tokens, max_blocks):
+                block = self.index.lookup(mine, now)
+                block = self.index.lookup(published, now) if block is None else block
+                if block is not None:
+                    self.allocator.incref([block])
+                else:
+                    after = found[-1] if found else None
+                    promoted = promote(mine, after) or promote(published, after)
+                    if promoted is None:
+                        break
+                    block, meta, tier = promoted
+                    self.index.adopt(block, meta, found[-1] if found else None)
+                    self.counters[f"hit_tokens_{tier}"] += self.block_size
+                found.append(block)
+        except BaseException:  # a promotion that raised (a full pool, a disk error, Ctrl-C): nothing is kept
+            self.allocator.decref(found)
+            raise
         self.index.touch(found, now)
         return found
 
@@ -158,7 +162,7 @@ class ReuseManager:
         shareable = sequence.shareable_length()
         held = self.semantic.add(tenant, model, sequence.tokens[:shareable],
                                  sequence.blocks[: -(-shareable // self.block_size)], self.allocator.version,
-                                 self.block_size)
+                                 self.block_size, sequence.digests)
         if held is not None:
             self.allocator.incref([held])
         self.allocator.decref(self.semantic.trim())

@@ -132,11 +132,11 @@ class PinRegistry:
         if freed_if_all < excess:
             return False
         for pin in victims:
-            if excess <= 0:
+            # counted as the union: a removed pin's blocks that the new pin holds stay pinned
+            if len(self.pinned_blocks() | keep) <= self.budget_blocks:
                 break
-            before = len(self.pinned_blocks())
-            self.remove(pin)
-            excess -= before - len(self.pinned_blocks())
+            if not set(pin.blocks) <= keep:  # one inside the new pin frees nothing: it stays
+                self.remove(pin)
         return True
 
     # ---------------------------------------------------------- hot spots
@@ -157,9 +157,10 @@ class PinRegistry:
         prefix = blocks[: hot[-1] + 1]  # weights shrink with depth: the hot part is a prefix
         if set(prefix) <= self.pinned_blocks():
             return
-        for pin in [p for p in self.pins.values() if p.reason == "hot" and set(p.blocks) <= set(prefix)]:
-            self.remove(pin)  # superseded by the longer hot prefix
-        self.add(prefix, tenant, HOT_PRIORITY, None, "hot")
+        superseded = [p for p in self.pins.values() if p.reason == "hot" and set(p.blocks) <= set(prefix)]
+        if self.add(prefix, tenant, HOT_PRIORITY, None, "hot") is not None:  # kept when the longer one is refused
+            for pin in superseded:
+                self.remove(pin)
 
     def set_budget(self, budget: float) -> None:
         """A new budget (a fraction of the pool). Pins beyond it give way, lowest priority and then

@@ -76,10 +76,11 @@ class PrefixIndex:
     def is_cached(self, block: int) -> bool:
         return block in self.metas
 
-    def is_fresh(self, block: int, now: float) -> bool:
-        """Whether `block` is indexed and unexpired: its KV may still be reused."""
+    def is_fresh(self, block: int, digest: bytes | None, now: float) -> bool:
+        """Whether `block` is indexed under `digest` and unexpired: it still holds the KV that
+        digest names (a block rewritten in place and indexed again names other tokens)."""
         meta = self.metas.get(block)
-        return meta is not None and not meta.expired(now)
+        return meta is not None and meta.digest == digest and not meta.expired(now)
 
     # ------------------------------------------------------- registration
     def register(self, model: str, tenant: str, first: int, digests: list[bytes], table: list[int],

@@ -58,6 +58,7 @@ class Entry:
     tokens: np.ndarray
     table: list[int]
     versions: np.ndarray
+    digests: list[bytes]  # what the leading full blocks were indexed as when the entry was made
     held: int | None  # the partial last block this entry keeps a reference on
     created: float
     expires: float | None
@@ -105,9 +106,10 @@ class SemanticIndex:
 
     # -------------------------------------------------------- adding entries
     def add(self, tenant: str, model: str, tokens, table: list[int], versions: np.ndarray,
-            block_size: int) -> int | None:
-        """Queue a finished row as an entry (under the pool's lock; cheap: no embedding).
-        Returns the partial block the entry holds, for the caller to reference, or None."""
+            block_size: int, digests: list[bytes]) -> int | None:
+        """Queue a finished row as an entry (under the pool's lock; cheap: no embedding);
+        `digests`: what its leading full blocks are indexed as. Returns the partial block the
+        entry holds, for the caller to reference, or None."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) == 0 or (tokens < 0).any():
             return None
@@ -118,7 +120,8 @@ class SemanticIndex:
                 return None
             held = blocks[-1] if len(tokens) % block_size else None
             expires = None if self.ttl is None else now + self.ttl
-            self.entries.append(Entry(tenant, model, tokens, blocks, versions[blocks].copy(), held, now, expires))
+            self.entries.append(Entry(tenant, model, tokens, blocks, versions[blocks].copy(), list(digests), held, now,
+                                      expires))
         return held
 
     def embed_pending(self) -> None:
@@ -133,11 +136,12 @@ class SemanticIndex:
 
     # -------------------------------------------------------------- lookup
     def best(self, tenant: str, model: str, vector: np.ndarray, tokens, limit: int, inherited: int,
-             versions: np.ndarray, block_size: int, fresh: Callable[[int], bool]) -> tuple[int, list[int]] | None:
+             versions: np.ndarray, block_size: int,
+             fresh: Callable[[int, bytes | None], bool]) -> tuple[int, list[int]] | None:
         """The longest verified prefix (of at most `limit` tokens) that beats `inherited` tokens:
         `(length, block table of the entry)`, or None. Only the tenant's own and published
-        entries of the same model are considered and counted. `fresh(block)`: whether a full
-        block is still indexed and unexpired (`PrefixIndex.is_fresh`)."""
+        entries of the same model are considered and counted. `fresh(block, digest)`: whether a
+        full block is still indexed under that digest and unexpired (`PrefixIndex.is_fresh`)."""
         now = self.clock()
         with self.lock:
             eligible = [e for e in self.entries if e.vector is not None and e.model == model
@@ -158,10 +162,11 @@ class SemanticIndex:
 
     @staticmethod
     def _verified_prefix(entry: Entry, tokens, versions: np.ndarray, block_size: int,
-                         fresh: Callable[[int], bool]) -> int:
+                         fresh: Callable[[int, bytes | None], bool]) -> int:
         """Tokens of `entry` the new prompt may inherit: the common token prefix, cut at the
         first block that was freed since the entry was recorded, and at the first full block
-        no longer fresh (expired or forgotten: its KV must not be reused by any path). The
+        no longer fresh (expired, forgotten, or rewritten in place and indexed as other tokens:
+        its KV must not be reused by any path). The
         entry's last, partial block is never indexed; it is written after the full blocks
         before it, so it is no older than they are."""
         n = min(len(entry.tokens), len(tokens))
@@ -170,7 +175,8 @@ class SemanticIndex:
         changed = np.flatnonzero(versions[entry.table] != entry.versions)
         resident = int(changed[0]) * block_size if len(changed) else common
         full = entry.table[: min(-(-common // block_size), len(entry.tokens) // block_size)]
-        stale = next((i for i, block in enumerate(full) if not fresh(block)), None)
+        recorded = entry.digests + [None] * (len(full) - len(entry.digests))  # an unindexed block is never fresh
+        stale = next((i for i, block in enumerate(full) if not fresh(block, recorded[i])), None)
         return min(common, resident, common if stale is None else stale * block_size)
 
     # ------------------------------------------------------------ dropping

@@ -68,10 +68,10 @@ class DiskTier:
         self.block_shapes, self.dtype, self.policy = [tuple(s) for s in block_shapes], dtype, policy
         self.max_bytes = max_bytes
         self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops", "disk_expirations",
-                                       "disk_write_errors"), 0)
+                                       "disk_write_errors", "disk_delete_errors"), 0)
         self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta, policy clock)
         self.unusable: dict[Path, int] = {}  # block files this pool cannot load (another model's, damaged) -> bytes
-        self.warned_write = False
+        self.warned_write = self.warned_delete = False
         file_bytes = 2 * sum(torch.Size(s).numel() for s in self.block_shapes) * torch.empty((), dtype=dtype).element_size()
         if max_bytes < file_bytes:
             raise ValueError(f"disk_bytes={max_bytes} cannot hold one block file of about {file_bytes} bytes; "
@@ -238,7 +238,7 @@ class DiskTier:
         while self.unusable and self.used_bytes() > self.max_bytes:
             path = next(iter(self.unusable))
             del self.unusable[path]
-            path.unlink(missing_ok=True)
+            self._unlink(path)
         now = self.policy.now()
         while self.used_bytes() > self.max_bytes:
             metas = {d: m for d, (_, _, m) in self.catalog.items()}
@@ -252,7 +252,20 @@ class DiskTier:
         self.counters["disk_drops"] += 1
 
     def _delete(self, digest: bytes) -> None:
-        self.catalog.pop(digest)[0].unlink(missing_ok=True)
+        self._unlink(self.catalog.pop(digest)[0])
+
+    def _unlink(self, path: Path) -> None:
+        """Delete a block file; one the directory will not let go (read-only) is forgotten all the
+        same – a tier that cannot delete cannot write either, so its use does not grow – counted
+        and warned about once, never fatal to the forward that asked."""
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            self.counters["disk_delete_errors"] += 1
+            if not self.warned_delete:
+                self.warned_delete = True
+                warnings.warn(f"hf_paged_kv disk tier: cannot delete {path} ({error}); further failures are only "
+                              "counted in disk_delete_errors", stacklevel=4)
 
 
 def _checksum(header: dict, tensors: dict) -> str:
