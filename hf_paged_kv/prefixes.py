@@ -59,15 +59,18 @@ def unpin(model, pin: Pin) -> None:
 def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
     """Compute (or find) the KV of `prefix` and write its full blocks to the pool's disk tier
     now, so that a restarted process with the same model and directory reuses them. Returns the
-    number of tokens written (whole blocks)."""
+    number of leading tokens whose blocks are on disk afterwards (whole blocks): fewer when a
+    write failed or the disk budget could not keep them all."""
     pool = pool_of(model)
     if pool.tiers.disk is None:
         raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
     with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
         with pool.locked():
-            for block in blocks:
-                pool.tiers.write_to_disk(pool.reuse.index.metas[block], pool.block_layers(block))
-    return len(blocks) * pool.block_size
+            metas = [pool.reuse.index.metas[block] for block in blocks]
+            for meta, block in zip(metas, blocks):
+                pool.tiers.write_to_disk(meta, pool.block_layers(block))
+            kept = next((i for i, meta in enumerate(metas) if not pool.tiers.disk.contains(meta.digest)), len(metas))
+    return kept * pool.block_size
 
 
 def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dict[str, int]:

@@ -158,3 +158,16 @@ def test_a_promotion_that_raises_keeps_no_block_it_found_before(tmp_path, monkey
     assert len(calls) == 2
     assert_pool_clean(pool)
     hf_paged_kv.disable(writer)
+
+
+def test_persist_reports_only_what_reached_the_disk(tmp_path):
+    directory = tmp_path / "tier"
+    model = make_model("llama", seed=75)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, disk_dir=directory))
+    assert hf_paged_kv.persist(model, tokens(2 * BLOCK, 12)) == 2 * BLOCK
+    shutil.rmtree(directory)
+    directory.write_text("not a directory any more")  # every write now fails
+    with pytest.warns(UserWarning, match="cannot write to"):
+        assert hf_paged_kv.persist(model, tokens(2 * BLOCK, 13)) == 0
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)

@@ -263,3 +263,32 @@ def test_a_hot_pin_stays_when_its_longer_prefix_is_refused(model):
         for seed in range(4):  # both blocks hot: the longer prefix does not fit the budget
             skip_of(model, torch.cat([prompt, tokens(1, 80 + seed)]))
     assert [p["blocks"] for p in pool.stats()["pins"]] == [1] and pool.stats()["pins_refused"] > 0
+
+
+def test_one_models_new_weights_leave_another_models_pins(model):
+    """Two models share a pool: when one's weights change, its cached KV is forgotten, and only
+    its own pins with it."""
+    other = make_model("llama", seed=42)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, hot_threshold=None))
+    hf_paged_kv.enable(other, pool=pool)
+    kept = hf_paged_kv.pin(other, tokens(2 * BLOCK, 63))
+    mine = hf_paged_kv.pin(model, tokens(2 * BLOCK, 64))
+    skip_of(model, tokens(BLOCK + 2, 65))
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight.mul_(1.01)  # a fine-tune step, in place
+    skip_of(model, tokens(BLOCK + 2, 66))  # the next request sees the new weights
+    assert [p["id"] for p in pool.stats()["pins"]] == [kept.id] and mine.id != kept.id
+    hf_paged_kv.disable(other)
+
+
+def test_a_pin_that_gave_way_does_not_come_back_after_its_tenant_is_cleared(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, hot_threshold=None))
+    prompt = tokens(2 * BLOCK, 67)
+    hf_paged_kv.pin(model, prompt, tenant="t", priority=5)
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.0)  # the pin gives way, to come back when the budget grows
+    pool.clear_tenant("t")
+    skip_of(model, torch.cat([prompt, tokens(1, 68)]), tenant="t")  # the tenant computes the prefix again
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.25)
+    assert pool.stats()["pins"] == []

@@ -372,3 +372,38 @@ def test_a_disk_budget_of_one_block_of_tensors_is_never_exceeded(model, tmp_path
     stats = pool.stats()
     assert stats["disk_bytes_used"] == dir_bytes(tmp_path) <= budget
     assert stats["disk_blocks"] == 0 and stats["disk_drops"] == 5
+
+
+def test_a_block_reused_since_it_came_back_from_disk_keeps_its_weight_there(model, tmp_path):
+    """A block loaded from disk keeps its file; evicted again after heavy reuse, the disk's
+    catalogue takes its new weight, so a cold block is dropped before it."""
+    size = file_size(model, tmp_path)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=8, block_size=BLOCK, disk_dir=tmp_path,
+                                                 disk_bytes=2 * size + 100, half_life=10.0, hot_threshold=None))
+    clock, extra = manual_clock(pool), tokens(1, 29)
+    hot, cold, new = tokens(BLOCK, 21), tokens(BLOCK, 22), tokens(BLOCK, 23)
+    request(model, torch.cat([hot, extra]))
+    evict_all(pool)  # the hot block's file is written, with the weight of one use
+    clock[0] = 1.0
+    assert sum(request(model, torch.cat([hot, extra]))[0] for _ in range(20)) == 20 * BLOCK  # loaded once, reused
+    clock[0] = 2.0
+    evict_all(pool)  # back to disk: its file is already there
+    for moment, prompt in ((3.0, cold), (4.0, new)):
+        clock[0] = moment
+        request(model, torch.cat([prompt, extra]))
+        evict_all(pool)  # over the two-file budget at the third: the coldest goes
+    assert hf_paged_kv.cached_tokens(model, hot)["disk"] == BLOCK
+    assert hf_paged_kv.cached_tokens(model, cold)["disk"] == 0
+
+
+def test_half_written_files_of_a_dead_writer_are_removed_at_start(model, tmp_path):
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead, alive = int(finished.stdout), __import__("os").getpid()
+    for pid in (dead, alive):
+        (tmp_path / f".{'ab' * 32}.kvblock.{pid}.partial").write_bytes(b"torn")
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=8, block_size=BLOCK, disk_dir=tmp_path))
+    left = sorted(p.name.rsplit(".", 2)[-2] for p in tmp_path.glob(".*.partial"))
+    assert left == [str(alive)]  # a running writer's file is its own business

@@ -188,8 +188,11 @@ class ReuseManager:
     def forget(self, tenant: str | None = None, model: str | None = None) -> None:
         """Forget every cached prefix, semantic entry and pin of `tenant` and/or `model`
         (blocks in use stay with their sequences but are no longer shared)."""
-        for pin in [p for p in self.pins.pins.values() if tenant is None or p.tenant == tenant]:
-            self.pins.remove(pin)
+        def of_model(blocks: list[int]) -> bool:  # a pin holds indexed blocks: the index knows their model
+            return model is None or any((meta := self.index.metas.get(b)) is not None and meta.model == model
+                                        for b in blocks)
+
+        self.pins.forget(lambda pin, blocks: (tenant is None or pin.tenant == tenant) and of_model(blocks))
         self.index.forget(self.index.blocks_of(tenant, model))
         if self.semantic is not None:
             self.allocator.decref(self.semantic.forget(tenant, model))

@@ -194,6 +194,15 @@ class PinRegistry:
             self.allocator.incref(blocks)
             self.pins[pin.id] = pin
 
+    def forget(self, which) -> None:
+        """Unpin for good the pins `which(pin, blocks)` picks, those that gave way to a smaller
+        budget included (they must not come back)."""
+        for pin in [p for p in self.pins.values() if which(p, p.blocks)]:
+            self.remove(pin)
+        now = self.index.policy.now()
+        self.given_way = [(pin, digests) for pin, digests in self.given_way
+                          if not which(pin, [b for d in digests if (b := self.index.lookup(d, now)) is not None])]
+
     def release_all(self) -> None:
         """Drop every pin (the blocks stay cached)."""
         for pin in list(self.pins.values()):

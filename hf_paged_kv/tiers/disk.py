@@ -40,6 +40,7 @@ import json
 import os
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,8 +78,17 @@ class DiskTier:
             raise ValueError(f"disk_bytes={max_bytes} cannot hold one block file of about {file_bytes} bytes; "
                              "raise disk_bytes (or leave disk_dir unset)")
         self.directory.mkdir(parents=True, exist_ok=True)
+        self._remove_abandoned_partials()
         self._scan(model)
         self._enforce_budget(keep=None)
+
+    def _remove_abandoned_partials(self) -> None:
+        """Delete the half-written files of writers that died (`.<name>.<pid>.partial`, the pid no
+        longer running): a crash between writing and renaming leaves them, outside any budget."""
+        for path in self.directory.glob(f".*{SUFFIX}.*.partial"):
+            pid = path.name.rsplit(".", 2)[-2]
+            if pid.isdigit() and not _running(int(pid)):
+                self._unlink(path)
 
     def _scan(self, model: str) -> None:
         """Catalogue the directory's block files. Those this pool cannot use are budgeted as
@@ -106,7 +116,8 @@ class DiskTier:
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
         """Store one block (`(key, value)` per layer, any device); False if the write failed or
         the budget could not keep it."""
-        if self.contains(meta.digest):
+        if self.contains(meta.digest):  # a block loaded from here and evicted again: it keeps its file
+            self._refresh(meta)
             return True
         now, wall = self.policy.now(), time.time()
         meta = meta.as_of(now, self.policy.half_life)
@@ -130,6 +141,14 @@ class DiskTier:
         self.counters["disk_writes"] += 1
         self._enforce_budget(keep=meta.digest)
         return meta.digest in self.catalog
+
+    def _refresh(self, meta: BlockMeta) -> None:
+        """The catalogue keeps the higher decayed weight of the file's and the device's: a block
+        reused on the device since it was loaded is not dropped before a cold one."""
+        path, size, known = self.catalog[meta.digest]
+        now, half_life = self.policy.now(), self.policy.half_life
+        if meta.weight_at(now, half_life) > known.weight_at(now, half_life):
+            self.catalog[meta.digest] = (path, size, replace(meta.as_of(now, half_life), expires=known.expires))
 
     def _write_failed(self, partial: Path, error: Exception) -> None:
         try:
@@ -266,6 +285,16 @@ class DiskTier:
                 self.warned_delete = True
                 warnings.warn(f"hf_paged_kv disk tier: cannot delete {path} ({error}); further failures are only "
                               "counted in disk_delete_errors", stacklevel=4)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: running
+        return True
+    return True
 
 
 def _checksum(header: dict, tensors: dict) -> str:
