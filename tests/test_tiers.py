@@ -407,3 +407,15 @@ def test_half_written_files_of_a_dead_writer_are_removed_at_start(model, tmp_pat
     hf_paged_kv.enable(model, pool=KVPool(num_blocks=8, block_size=BLOCK, disk_dir=tmp_path))
     left = sorted(p.name.rsplit(".", 2)[-2] for p in tmp_path.glob(".*.partial"))
     assert left == [str(alive)]  # a running writer's file is its own business
+
+
+def test_a_restart_with_another_block_size_says_so(model, tmp_path):
+    import warnings
+
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=16, disk_dir=tmp_path))
+    hf_paged_kv.persist(model, tokens(16, 31))
+    hf_paged_kv.disable(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert any(f"block_size=16 where this pool has block_size={BLOCK}" in str(w.message) for w in caught)

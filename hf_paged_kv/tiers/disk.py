@@ -207,7 +207,7 @@ class DiskTier:
             if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
                 raise RejectedFile("not a block file of this format (fields missing or damaged)")
             if header["model"] != model:
-                raise RejectedFile("written by another model (fingerprint differs)")
+                raise RejectedFile(f"written by another model ({_difference(header['model'], model)})")
             if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
                 raise RejectedFile("digest in the header does not match the file name")
             meta = self._meta(header)
@@ -285,6 +285,15 @@ class DiskTier:
                 self.warned_delete = True
                 warnings.warn(f"hf_paged_kv disk tier: cannot delete {path} ({error}); further failures are only "
                               "counted in disk_delete_errors", stacklevel=4)
+
+
+def _difference(written: str, ours: str) -> str:
+    """What differs between two fingerprints: their `block_size=` or `dtype=` parts, named (a
+    restart with another block size or dtype is the common case), else the weights."""
+    named = {part.split("=")[0]: part for part in ours.split("|") if "=" in part}
+    changed = [f"{part} where this pool has {named[key]}" for part in written.split("|") if "=" in part
+               and (key := part.split("=")[0]) in named and named[key] != part]
+    return "; ".join(changed) or "fingerprint differs: other weights or config"
 
 
 def _running(pid: int) -> bool:
