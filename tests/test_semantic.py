@@ -134,8 +134,9 @@ def test_blocks_expired_in_the_prefix_index_fail_verification(tokenizer):
     first = encode(tokenizer, DOCUMENT + " What did he carry?")
     second = encode(tokenizer, DOCUMENT + " Why did he count the steps?")
     with PagedCache() as cache:
-        generate(model, first, cache)
-    clock[0] = 1000.0
+        generate(model, first, cache)  # its blocks are indexed now: they expire at 100 s
+        clock[0] = 50.0  # the entry is made at the release: it expires at 150 s
+    clock[0] = 120.0
     expected = generate(model, second, DynamicCache())
     with PagedCache() as cache:
         torch.testing.assert_close(generate(model, second, cache), expected, rtol=0, atol=0)
@@ -180,3 +181,19 @@ def test_a_block_rewritten_in_place_since_the_entry_was_made_is_not_served(setup
         assert cache.inherited == [0]
     twin.release()
     assert_pool_clean(pool)
+
+
+def test_an_entry_shorter_than_a_block_expires_with_the_pools_ttl(tokenizer):
+    """An entry's full blocks expire with the index; one of a partial block only is in no index:
+    its age counts against the pool's ttl all the same."""
+    model, pool = enabled_model(tokenizer, ttl=60.0)
+    clock = manual_clock(pool)
+    short = encode(tokenizer, "The keeper climbed")  # under one block
+    with PagedCache() as cache:
+        generate(model, short, cache)
+    clock[0] = 3600.0
+    asked = torch.cat([short, encode(tokenizer, " slowly")], 1)
+    with PagedCache() as cache:
+        generate(model, asked, cache)
+        assert cache.inherited == [0]
+    hf_paged_kv.disable(model)

@@ -34,6 +34,8 @@ class ReuseManager:
         self.allocator, self.block_size, self.policy = allocator, block_size, policy
         self.index = PrefixIndex(block_size, policy, allocator)
         self.semantic = semantic
+        if semantic is not None:  # entries' ages and the pool's ttl count on one clock
+            semantic.clock = policy.now
         self.pins = PinRegistry(allocator, self.index, pin_budget, hot_threshold)
         self.counters = dict.fromkeys(COUNTERS, 0)
 
@@ -162,7 +164,7 @@ class ReuseManager:
         shareable = sequence.shareable_length()
         held = self.semantic.add(tenant, model, sequence.tokens[:shareable],
                                  sequence.blocks[: -(-shareable // self.block_size)], self.allocator.version,
-                                 self.block_size, sequence.digests)
+                                 self.block_size, sequence.digests, self.policy.ttl)
         if held is not None:
             self.allocator.incref([held])
         self.allocator.decref(self.semantic.trim())

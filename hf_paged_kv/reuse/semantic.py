@@ -106,10 +106,11 @@ class SemanticIndex:
 
     # -------------------------------------------------------- adding entries
     def add(self, tenant: str, model: str, tokens, table: list[int], versions: np.ndarray,
-            block_size: int, digests: list[bytes]) -> int | None:
+            block_size: int, digests: list[bytes], pool_ttl: float | None = None) -> int | None:
         """Queue a finished row as an entry (under the pool's lock; cheap: no embedding);
-        `digests`: what its leading full blocks are indexed as. Returns the partial block the
-        entry holds, for the caller to reference, or None."""
+        `digests`: what its leading full blocks are indexed as; `pool_ttl`: the pool's, which
+        bounds the entry's age too (its partial block is in no index that would expire it).
+        Returns the partial block the entry holds, for the caller to reference, or None."""
         tokens = np.asarray(tokens, dtype=np.int64)
         if len(tokens) == 0 or (tokens < 0).any():
             return None
@@ -119,7 +120,8 @@ class SemanticIndex:
             if any(e.tenant == tenant and e.model == model and np.array_equal(e.tokens, tokens) for e in self.entries):
                 return None
             held = blocks[-1] if len(tokens) % block_size else None
-            expires = None if self.ttl is None else now + self.ttl
+            ttls = [t for t in (self.ttl, pool_ttl) if t is not None]
+            expires = now + min(ttls) if ttls else None
             self.entries.append(Entry(tenant, model, tokens, blocks, versions[blocks].copy(), list(digests), held, now,
                                       expires))
         return held
