@@ -15,7 +15,8 @@ and a row about to write into a shared block copies it first (copy-on-write).
 
 The integration calls `begin_forward` before each forward (plan it: inherit cached prefixes,
 allocate, compute slots) and then `finish_forward` or, if the forward raised anything at all,
-`abort_forward`, which leaves the cache exactly as it was.
+`abort_forward`, which leaves the cache as it was before the forward (stored tokens the
+forward's mask hid stay dropped, see `history`).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import history, prefill, step
+from . import prefill, step
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError
 from .pool import KVPool
 from .reuse.pins import TurnPins
@@ -42,7 +43,7 @@ class _Forward:
     """A planned forward, committed by `finish_forward` or undone by `abort_forward`."""
 
     real: np.ndarray  # [B, T] stored columns
-    ids: np.ndarray  # [B, T] token ids (-1 where only embeddings were given)
+    ids: np.ndarray  # [B, T] token ids (-1 where unknown or not to be matched: see Sequence.tokens)
     inherited: np.ndarray  # per row: leading real tokens already stored (a reused prefix)
     lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
     new_turn: bool  # the forward begins a turn of the conversation (`pin_turns` counts them)
@@ -229,7 +230,6 @@ class PagedCache(Cache):
                 raise PagedKVError("this PagedCache is in a forward on another thread: use one PagedCache per thread")
             self.abort_forward()
         self._bind(pool, model)
-        history.follow_mask(pool, self.sequences, attention_mask)  # a later turn may mask what an earlier one stored
         real = prefill.stored_columns(attention_mask, *shape)
         ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
         fresh = not self.sequences
@@ -293,7 +293,7 @@ class PagedCache(Cache):
         return [list(s.blocks) for s in self.sequences]
 
     def token_ids(self) -> list[list[int]]:
-        """Token ids of the stored tokens of each row (-1 where the forward had only embeddings)."""
+        """Token ids of the stored tokens of each row (-1 where unknown: see `Sequence.tokens`)."""
         return [list(s.tokens) for s in self.sequences]
 
     def __repr__(self) -> str:

@@ -20,17 +20,17 @@ from .pool import KVPool
 from .sequence import Sequence
 
 
-def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask) -> None:
-    """Make the rows agree with `attention_mask` over the positions they hold: stored tokens it
-    now masks are dropped (`hide`); a pad it unmasks raises PagedKVError. Nothing to do without
-    a mask, for a fresh cache, for a mask that covers only the new columns, or for another batch
-    (refused by the caller)."""
+def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask, width: int) -> None:
+    """Make the rows agree with `attention_mask` over the positions they hold, before a forward
+    of `width` new columns: stored tokens it now masks are dropped (`hide`); a pad it unmasks
+    raises PagedKVError. All rows or none: a refusal or a full pool changes nothing. Nothing to
+    do without a mask, for a fresh cache, or for a mask not as wide as the positions held plus
+    the new ones (a mask of the new columns alone, or another batch, says nothing of the past)."""
     logical = sequences[0].logical_length if sequences else 0
-    if attention_mask is None or not logical or attention_mask.shape[1] <= logical:
-        return
-    if attention_mask.shape[0] != len(sequences):
+    if attention_mask is None or not logical or tuple(attention_mask.shape) != (len(sequences), logical + width):
         return
     seen = attention_mask[:, :logical].detach().cpu().numpy().astype(bool)
+    hiding = []
     for row, sequence in enumerate(sequences):
         held = np.frombuffer(bytes(sequence.history), dtype=np.uint8).astype(bool)
         revealed = np.flatnonzero(seen[row] & ~held)
@@ -41,27 +41,35 @@ def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask) -> None
                 "or start a fresh PagedCache")
         hidden = np.flatnonzero(held & ~seen[row])
         if len(hidden):
-            hide(pool, sequence, hidden)
+            hiding.append((sequence, hidden))
+    if hiding:
+        hide(pool, hiding)
 
 
-def hide(pool: KVPool, sequence: Sequence, hidden: np.ndarray) -> None:
-    """Drop the stored tokens at logical positions `hidden` from the row: the blocks before the
-    first of them stay as they are; the tokens kept after it move into fresh blocks (allocated
-    first: PoolExhaustedError changes nothing), marked unknown (-1) so they are never indexed."""
+def hide(pool: KVPool, rows: list[tuple[Sequence, np.ndarray]]) -> None:
+    """Drop from each row the stored tokens at its logical positions `hidden`: the blocks before
+    the first of them stay as they are; the tokens kept after it move into fresh blocks, taken
+    for every row first (PoolExhaustedError changes nothing). Kept tokens after a hidden one are
+    marked unknown (-1): their K/V attended to it, which no block hash says."""
     size = pool.block_size
     with pool.locked():
-        stored_index = np.cumsum(np.frombuffer(bytes(sequence.history), dtype=np.uint8)) - 1
-        start = int(stored_index[hidden].min()) // size * size  # the first stored token of the first block that changes
-        kept = np.setdiff1d(np.arange(start, sequence.length), stored_index[hidden])
-        fresh = pool.allocate(-(-len(kept) // size), after=sequence.blocks[start // size - 1] if start else None)
-        blocks = np.asarray(sequence.blocks, dtype=np.int64)
-        source = blocks[kept // size] * size + kept % size
-        target = np.asarray(fresh, dtype=np.int64)[np.arange(len(kept)) // size] * size + np.arange(len(kept)) % size
-        for cache in (*pool.key_cache, *pool.value_cache):
-            flat = cache.view(-1, *cache.shape[2:])
-            flat[torch.as_tensor(target, device=cache.device)] = flat[torch.as_tensor(source, device=cache.device)]
-        pool.mark_written(target)
-        pool.decref(sequence.unstore(hidden, start, size))
-        sequence.blocks += fresh
-        sequence.tokens += [-1] * len(kept)
-        sequence.length += len(kept)
+        plans = []
+        for sequence, hidden in rows:
+            stored_index = np.cumsum(np.frombuffer(bytes(sequence.history), dtype=np.uint8)) - 1
+            dropped = stored_index[hidden]
+            start = int(dropped.min()) // size * size  # the first stored token of the first block that changes
+            plans.append((sequence, hidden, start, int(dropped.min()), np.setdiff1d(np.arange(start, sequence.length), dropped)))
+        fresh = iter(pool.allocate(sum(-(-len(kept) // size) for *_, kept in plans)))
+        for sequence, hidden, start, first_hidden, kept in plans:
+            blocks = [next(fresh) for _ in range(-(-len(kept) // size))]
+            source = np.asarray(sequence.blocks, dtype=np.int64)[kept // size] * size + kept % size
+            target = np.asarray(blocks, dtype=np.int64)[np.arange(len(kept)) // size] * size + np.arange(len(kept)) % size
+            for cache in (*pool.key_cache, *pool.value_cache):
+                flat = cache.view(-1, *cache.shape[2:])
+                flat[torch.as_tensor(target, device=cache.device)] = flat[torch.as_tensor(source, device=cache.device)]
+            pool.mark_written(target)
+            tokens = [sequence.tokens[i] if i < first_hidden else -1 for i in kept]
+            pool.decref(sequence.unstore(hidden, start, size))
+            sequence.blocks += blocks
+            sequence.tokens += tokens
+            sequence.length += len(kept)

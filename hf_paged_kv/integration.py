@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import backends, prefill, step
+from . import backends, history, prefill, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
 from .model_checks import REFUSED_KWARGS, check_config, probe
@@ -220,10 +220,12 @@ def _paged_forward(model, original):
         new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
         fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
         extras = _per_token_extras(kwargs)
+        mask = kwargs.get("attention_mask")
+        if cache.is_initialized:  # a later turn may mask what an earlier one stored: those rows drop it first
+            history.follow_mask(state.pool, cache.sequences, mask, shape[1])
         # KV at other positions than generate's must not be shared: hashes say token ids only
-        counted = prefill.positions_counted(cache.sequences, prefill.stored_columns(kwargs.get("attention_mask"), *shape),
-                                            kwargs.get("position_ids"))
-        may_skip = counted and _may_skip(args, kwargs, extras)
+        counted = prefill.positions_counted(cache.sequences, prefill.stored_columns(mask, *shape), kwargs.get("position_ids"))
+        may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
             _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
                                      kwargs.get("attention_mask"))
@@ -232,7 +234,7 @@ def _paged_forward(model, original):
         # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
         # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
         # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
-        known_ids = input_ids if counted and not extras else None
+        known_ids = None if extras or input_ids is None else _unknown_where(input_ids, ~counted)
         plan = cache.begin_forward(state.pool, fingerprint, known_ids, kwargs.get("attention_mask"),
                                    shape, may_skip, logical=need_weights, new_turn=new_turn)
         if plan.skip:
@@ -266,6 +268,13 @@ def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: s
                      use_cache=False, logits_to_keep=1)
 
     prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
+
+
+def _unknown_where(input_ids, rows: np.ndarray):
+    """`input_ids` with the ids of `rows` replaced by -1 (their KV must not be found by them)."""
+    if not rows.any():
+        return input_ids
+    return input_ids.masked_fill(torch.as_tensor(rows, device=input_ids.device)[:, None], -1)
 
 
 def _per_token_extras(kwargs) -> list[str]:

@@ -117,23 +117,24 @@ def stored_columns(attention_mask, batch: int, width: int) -> np.ndarray:
     return attention_mask[:, -width:].detach().cpu().numpy().astype(bool)
 
 
-def positions_counted(sequences: list[Sequence], real: np.ndarray, position_ids) -> bool:
-    """Whether the forward's tokens sit where `generate` puts them: each stored token at its rank
-    among its row's stored tokens (`real`: the forward's stored columns `[B, T]`; `position_ids`:
-    the caller's, or None where the model counts `past + column`). Only then is a block's KV what
-    its hash – token ids alone – promises another request: otherwise nothing the forward computes
-    is shared, and it inherits nothing."""
+def positions_counted(sequences: list[Sequence], real: np.ndarray, position_ids) -> np.ndarray:
+    """Per row, whether the forward's tokens sit where `generate` puts them: each stored token at
+    its rank among its row's stored tokens (`real`: the forward's stored columns `[B, T]`;
+    `position_ids`: the caller's, or None where the model counts `past + column`). Only then is
+    a block's KV what its hash – token ids alone – promises another request: a row that is not
+    shares nothing of this forward (and a batch with one inherits nothing)."""
     batch, width = real.shape
     if sequences and len(sequences) != batch:
-        return False  # a changed batch, refused by begin_forward
+        return np.zeros(batch, dtype=bool)  # a changed batch, refused by begin_forward
     before = np.array([s.length for s in sequences] if sequences else [0] * batch)[:, None]
     rank = before + np.cumsum(real, axis=1) - 1
     if position_ids is None:  # column counting equals the rank only where no pad ever came
-        return bool(real.all()) and all(s.length == s.logical_length for s in sequences)
+        unpadded = np.array([s.length == s.logical_length for s in sequences] or [True] * batch)
+        return real.all(axis=1) & unpadded
     if position_ids.dim() != 2 or position_ids.shape[1] != width or position_ids.shape[0] not in (1, batch):
-        return False  # multi-axis positions (M-RoPE) and the like: not generate's count
+        return np.zeros(batch, dtype=bool)  # multi-axis positions (M-RoPE) and the like: not generate's count
     given = np.broadcast_to(position_ids.detach().cpu().numpy(), (batch, width))
-    return bool((given[real] == rank[real]).all())
+    return ((given == rank) | ~real).all(axis=1)
 
 
 def check_mask(shape: tuple[int, ...], batch: int, width: int) -> None:

@@ -20,7 +20,9 @@ import numpy as np
 class Sequence:
     blocks: list[int] = field(default_factory=list)  # block table: block i holds stored tokens [i*size, (i+1)*size)
     length: int = 0  # stored tokens
-    tokens: list[int] = field(default_factory=list)  # id of each stored token (-1: only its embedding was known)
+    # id of each stored token; -1 where the ids alone do not name its KV (only its embedding was
+    # known, the caller's own positions, other per-token inputs, or tokens it attended to were hidden since)
+    tokens: list[int] = field(default_factory=list)
     history: bytearray = field(default_factory=bytearray)  # per logical position: 1 stored, 0 pad
     digests: list[bytes] = field(default_factory=list)  # chained digests of the leading blocks indexed for reuse
     gap: bool = field(init=False, default=False)  # a pad follows a stored token in `history` (see `gapped`)

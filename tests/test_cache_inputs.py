@@ -181,3 +181,46 @@ def test_unmasking_a_pad_the_cache_never_stored_is_refused(llama):
             generate(llama, out, torch.ones_like(out), cache, new=2)
     assert_pool_clean(pool)
     hf_paged_kv.disable(llama)
+
+
+def test_a_refused_mask_changes_no_row(llama):
+    """Row 0's mask hides two stored tokens, row 1's unmasks its pads: refused, and row 0 is left
+    as it was (all rows or none), so the turn can be retried with a good mask."""
+    ids, mask = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1)), torch.ones(2, 10, dtype=torch.long)
+    mask[1, :3], ids[1, :3] = 0, PAD
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=4))
+    with PagedCache() as cache:
+        out = generate(llama, ids, mask, cache, new=3)
+        lengths = cache.row_lengths()
+        follow = torch.cat([out, torch.tensor([[5, 6]] * 2)], 1)
+        bad = torch.ones_like(follow)
+        bad[0, 2:4] = 0
+        with pytest.raises(PagedKVError, match="unmasks position 0 of row 1"):
+            generate(llama, follow, bad, cache, new=2)
+        assert cache.row_lengths() == lengths
+        good = torch.cat([mask, torch.ones(2, follow.shape[1] - 10, dtype=torch.long)], 1)
+        generate(llama, follow, good, cache, new=2)
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(llama)
+
+
+def test_rows_a_later_mask_leaves_alone_stay_shareable(llama):
+    """In the batched chat whose row 0 masks its trailing pads, row 1's conversation is at
+    generate's positions: a fresh request of it inherits it (only the masked row stops sharing)."""
+    ids = torch.randint(3, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, PAD
+    probe = llama.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=128, block_size=4))
+    with PagedCache() as cache:
+        turn1 = llama.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                               eos_token_id=int(probe[0, 11]), do_sample=False)
+        assert (turn1[0, 12:] == PAD).all()
+        turn2_ids = torch.cat([turn1, torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(2))], 1)
+        turn2 = generate(llama, turn2_ids, (turn2_ids != PAD).long(), cache, new=6)
+    row1 = turn2[1][turn2[1] != PAD][None]
+    with PagedCache() as cache:
+        generate(llama, row1, torch.ones_like(row1), cache, new=1)
+        assert cache.inherited == [(row1.shape[1] - 1) // 4 * 4]  # every full block: all it fed, all shared
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(llama)

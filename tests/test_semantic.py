@@ -197,3 +197,19 @@ def test_an_entry_shorter_than_a_block_expires_with_the_pools_ttl(tokenizer):
         generate(model, asked, cache)
         assert cache.inherited == [0]
     hf_paged_kv.disable(model)
+
+
+def test_an_entry_on_a_published_prefix_still_verifies(setup, tokenizer):
+    """A request that inherited a published prefix holds blocks indexed under the public chain:
+    its semantic entry records those digests, so a later request still reuses its tail."""
+    model, pool = setup
+    first = encode(tokenizer, DOCUMENT + " What did he carry?")
+    second = encode(tokenizer, DOCUMENT + " Why did he count the steps?")
+    common = int((first[0, : second.shape[1]] == second[0, : first.shape[1]]).cumprod(0).sum())
+    hf_paged_kv.publish(model, first[0, : 2 * BLOCK].tolist())  # a public system prompt: two blocks
+    with PagedCache() as cache:
+        generate(model, first, cache)
+    expected = generate(model, second, DynamicCache())
+    with PagedCache() as cache:
+        torch.testing.assert_close(generate(model, second, cache), expected, rtol=0, atol=0)
+        assert cache.inherited == [common]

@@ -376,8 +376,11 @@ class OpenAIServer:
         # switch off the padding or truncation it was saved with, and that change must not meet
         # another call – made here, before any request, so the decodes on the event loop never do.
         self.tokenizing = threading.Lock()
-        if self.tokenizer is not None:
-            self.tokenizer.encode("")
+        try:
+            if self.tokenizer is not None:
+                self.tokenizer.encode("")
+        except Exception:  # noqa: BLE001 - a tokenizer that refuses empty text settles at its first prompt
+            pass
 
     # ------------------------------------------------------------------ prompts
     def check_model(self, name: str) -> None:

@@ -8,6 +8,7 @@ Every call happens under the pool's lock, except `embed`.
 
 from __future__ import annotations
 
+import itertools
 from functools import partial
 from typing import Callable
 
@@ -162,9 +163,13 @@ class ReuseManager:
         if self.semantic is None:
             return
         shareable = sequence.shareable_length()
+        # the digests its full blocks are indexed under now: the tenant's own chain, or the public
+        # one of a published prefix it inherited
+        indexed = list(itertools.takewhile(lambda meta: meta is not None,
+                                           (self.index.metas.get(b) for b in sequence.blocks[: shareable // self.block_size])))
         held = self.semantic.add(tenant, model, sequence.tokens[:shareable],
                                  sequence.blocks[: -(-shareable // self.block_size)], self.allocator.version,
-                                 self.block_size, sequence.digests, self.policy.ttl)
+                                 self.block_size, [meta.digest for meta in indexed], self.policy.ttl)
         if held is not None:
             self.allocator.incref([held])
         self.allocator.decref(self.semantic.trim())

@@ -52,6 +52,7 @@ from .host import droppable
 
 FORMAT = "hf_paged_kv-block/3"
 SUFFIX = ".kvblock"
+ABANDONED_AFTER = 600.0  # seconds: a block file is written in well under one
 FIELDS = ("format", "model", "digest", "parent", "tenant", "depth", "fill", "weight", "written", "priority")
 
 
@@ -83,11 +84,15 @@ class DiskTier:
         self._enforce_budget(keep=None)
 
     def _remove_abandoned_partials(self) -> None:
-        """Delete the half-written files of writers that died (`.<name>.<pid>.partial`, the pid no
-        longer running): a crash between writing and renaming leaves them, outside any budget."""
+        """Delete half-written files (`.<name>.<pid>.partial`) older than `ABANDONED_AFTER`: a
+        writer that died between writing and renaming left them, outside any budget. By age, not
+        by pid: a directory may be shared by processes of other machines or pid namespaces."""
         for path in self.directory.glob(f".*{SUFFIX}.*.partial"):
-            pid = path.name.rsplit(".", 2)[-2]
-            if pid.isdigit() and not _running(int(pid)):
+            try:
+                age = time.time() - path.stat().st_mtime
+            except OSError:  # renamed or removed by its writer meanwhile
+                continue
+            if age > ABANDONED_AFTER:
                 self._unlink(path)
 
     def _scan(self, model: str) -> None:
@@ -294,16 +299,6 @@ def _difference(written: str, ours: str) -> str:
     changed = [f"{part} where this pool has {named[key]}" for part in written.split("|") if "=" in part
                and (key := part.split("=")[0]) in named and named[key] != part]
     return "; ".join(changed) or "fingerprint differs: other weights or config"
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # another user's process: running
-        return True
-    return True
 
 
 def _checksum(header: dict, tensors: dict) -> str:
