@@ -497,6 +497,22 @@ def test_a_request_outgrowing_the_room_pins_leave_it_ends_with_its_tokens():
     hf_paged_kv.disable(model)
 
 
+def test_automatic_hot_pins_give_way_to_a_request_that_needs_their_room():
+    """Hot-spot pins are a cache policy, not a promise: a request that fits the pool only without
+    them unpins them, and is served whole."""
+    model = make_model("llama", seed=9)
+    hot, other = prompts([24, 60], seed=43)
+    pool = KVPool(num_blocks=10, block_size=8, pin_budget=0.5, hot_threshold=2.0)
+    with Engine(model, pool=pool, controller=False) as engine:
+        for _ in range(4):  # the prefix gets hot: pinned automatically
+            engine.submit(hot + [5], max_new_tokens=1).result(timeout=60)
+        assert any(p["reason"] == "hot" for p in pool.stats()["pins"])
+        handle = engine.submit(other, max_new_tokens=16, eos_token_id=[])  # 76 tokens of KV: 10 blocks
+        assert len(handle.result(timeout=60)) == 16 and handle.request.outcome == "finished"
+    assert not any(p["reason"] == "hot" for p in pool.stats()["pins"])
+    hf_paged_kv.disable(model)
+
+
 def test_a_request_that_ended_before_its_intake_never_runs(model):
     """A cancel handled before the loop takes the request in (submit and cancel racing the
     loop's intake) ends it for good: it is never queued, run, or counted twice, and a draining

@@ -143,8 +143,13 @@ class Admission:
         needed = request.blocks_needed(size)
         if needed <= total - len(pinned):
             return None
-        others = len(pinned - set(self.prefixes.stored(request)[0]))  # a pinned prefix it shares costs it nothing
+        shared = set(self.prefixes.stored(request)[0])  # a pinned prefix it shares costs it nothing
+        others = len(pinned - shared)
         if needed <= total - others:
+            return None
+        registry = self.pool.reuse.pins
+        if needed <= total - len({b for p in registry.pins.values() if p.reason != "hot" for b in p.blocks} - shared):
+            registry.forget(lambda pin, blocks: pin.reason == "hot")  # automatic pins are a cache policy: they give way
             return None
         pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""
         return (f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV ({needed} blocks of {size}), "
