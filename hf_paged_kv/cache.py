@@ -218,10 +218,11 @@ class PagedCache(Cache):
                     self._pool.decref(sequence.blocks)
 
     # ------------------------------------------------------ forward lifecycle
-    def begin_forward(self, pool: KVPool, model: str, input_ids, attention_mask, shape: tuple[int, int],
+    def begin_forward(self, pool: KVPool, model: str, input_ids, stored: np.ndarray | None, shape: tuple[int, int],
                       allow_reuse: bool, logical: bool = False, new_turn: bool | None = None) -> step.StepPlan:
         """Plan the forward about to run on `pool` with the weights fingerprinted `model` (see
-        `prefill.prepare_forward`; `allow_reuse`: only the last logits are needed, as in
+        `prefill.prepare_forward`; `stored`: its columns that hold tokens, `prefill.stored_columns`
+        of its mask, None for all; `allow_reuse`: only the last logits are needed, as in
         generate; `new_turn`: the forward begins a turn, by default when it feeds more than one
         token). Raises PoolExhaustedError before changing anything when the pool is full."""
         self._check_alive()
@@ -230,7 +231,7 @@ class PagedCache(Cache):
                 raise PagedKVError("this PagedCache is in a forward on another thread: use one PagedCache per thread")
             self.abort_forward()
         self._bind(pool, model)
-        real = prefill.stored_columns(attention_mask, *shape)
+        real = np.ones(shape, dtype=bool) if stored is None else stored
         ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
         fresh = not self.sequences
         if not fresh and len(self.sequences) != len(real):

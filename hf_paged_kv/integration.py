@@ -193,11 +193,17 @@ def _begins_turn(model, cache: PagedCache, shape: tuple) -> bool:
     """Whether this forward begins a turn of the conversation in `cache` (re-takes the
     fingerprint, counts for `pin_turns`): in the `generate` call of this model given this cache,
     its first forward; any other forward when it feeds more than one token."""
-    call = _CALL.get()
-    if call is not None and call.model is model and call.cache is cache:
+    call = _generate_call(model, cache)
+    if call is not None:
         begun, call.begun = call.begun, True
         return not begun
     return shape[1] > 1
+
+
+def _generate_call(model, cache: PagedCache):
+    """The `generate` call of this model given this cache that is running, if any."""
+    call = _CALL.get()
+    return call if call is not None and call.model is model and call.cache is cache else None
 
 
 def _paged_forward(model, original):
@@ -221,22 +227,24 @@ def _paged_forward(model, original):
         fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
         extras = _per_token_extras(kwargs)
         mask = kwargs.get("attention_mask")
-        if cache.is_initialized:  # a later turn may mask what an earlier one stored: those rows drop it first
+        # a later turn may mask what an earlier one stored: those rows drop it first (generate's own
+        # decode steps only append to the mask: not copied to the host for each token)
+        if cache.is_initialized and (new_turn or _generate_call(model, cache) is None):
             history.follow_mask(state.pool, cache.sequences, mask, shape[1])
         # KV at other positions than generate's must not be shared: hashes say token ids only
-        counted = prefill.positions_counted(cache.sequences, prefill.stored_columns(mask, *shape), kwargs.get("position_ids"))
+        stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
+        counted = prefill.positions_counted(cache.sequences, stored, kwargs.get("position_ids"))
         may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
-            _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids,
-                                     kwargs.get("attention_mask"))
+            _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
         need_weights = kwargs.get("output_attentions")
         need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
         # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
         # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
         # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
         known_ids = None if extras or input_ids is None else _unknown_where(input_ids, ~counted)
-        plan = cache.begin_forward(state.pool, fingerprint, known_ids, kwargs.get("attention_mask"),
-                                   shape, may_skip, logical=need_weights, new_turn=new_turn)
+        plan = cache.begin_forward(state.pool, fingerprint, known_ids, stored, shape, may_skip, logical=need_weights,
+                                   new_turn=new_turn)
         if plan.skip:
             args, kwargs = _drop_columns(args, kwargs, plan.skip)
         try:
