@@ -81,8 +81,6 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
-        # a seeded request's generator lives where its logits do: the output layer's device (device maps)
-        self.sampling_device = (model.get_output_embeddings() or model.get_input_embeddings()).weight.device
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
@@ -129,8 +127,6 @@ class Engine:
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
         request = Request(ids, params, tenant=tenant, priority=priority)
-        if seed is not None:
-            request.generator = torch.Generator(self.sampling_device).manual_seed(seed)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:
                 raise PagedKVError("the engine stopped while the request was being submitted")

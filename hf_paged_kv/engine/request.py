@@ -176,6 +176,13 @@ class Request:
             raise ValueError(f"outcome must be 'cancelled' or 'finished', got {outcome!r}")
         self.cancel_requested = self.cancel_requested or outcome
 
+    def generator_on(self, device: torch.device) -> torch.Generator | None:
+        """A seeded request's generator, made at first use on the device its scores are on (with a
+        device map, not known before the first forward returns them)."""
+        if self.generator is None and self.params.seed is not None:
+            self.generator = torch.Generator(device).manual_seed(self.params.seed)
+        return self.generator
+
     def tokens(self) -> list[int]:
         """The prompt and every generated token: what the sequence must hold before the next
         token is sampled. The engine feeds `tokens()[computed:]` in chunks; the forward that

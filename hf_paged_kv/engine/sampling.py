@@ -46,7 +46,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
             probabilities = torch.softmax(scores, dim=-1)
             if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:
                 continue  # sampling's limit as the temperature goes to 0, the argmax
-            chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator))
+            chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator_on(probabilities.device)))
         except Exception as error:  # noqa: BLE001 - reported to that request alone
             chosen[row] = error
     return chosen
