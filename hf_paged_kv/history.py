@@ -57,11 +57,13 @@ def hide(pool: KVPool, rows: list[tuple[Sequence, np.ndarray]]) -> None:
         for sequence, hidden in rows:
             stored_index = np.cumsum(np.frombuffer(bytes(sequence.history), dtype=np.uint8)) - 1
             dropped = stored_index[hidden]
-            start = int(dropped.min()) // size * size  # the first stored token of the first block that changes
-            plans.append((sequence, hidden, start, int(dropped.min()), np.setdiff1d(np.arange(start, sequence.length), dropped)))
-        fresh = iter(pool.allocate(sum(-(-len(kept) // size) for *_, kept in plans)))
-        for sequence, hidden, start, first_hidden, kept in plans:
-            blocks = [next(fresh) for _ in range(-(-len(kept) // size))]
+            first_hidden = int(dropped.min())
+            start = first_hidden // size * size  # the first stored token of the first block that changes
+            kept = np.setdiff1d(np.arange(start, sequence.length), dropped)
+            plans.append((sequence, hidden, start, first_hidden, kept, -(-len(kept) // size)))
+        fresh = iter(pool.allocate(sum(plan[-1] for plan in plans)))
+        for sequence, hidden, start, first_hidden, kept, count in plans:
+            blocks = [next(fresh) for _ in range(count)]
             source = np.asarray(sequence.blocks, dtype=np.int64)[kept // size] * size + kept % size
             target = np.asarray(blocks, dtype=np.int64)[np.arange(len(kept)) // size] * size + np.arange(len(kept)) % size
             for cache in (*pool.key_cache, *pool.value_cache):

@@ -148,7 +148,7 @@ class Admission:
         if needed <= total - others:
             return None
         registry = self.pool.reuse.pins
-        if needed <= total - len({b for p in registry.pins.values() if p.reason != "hot" for b in p.blocks} - shared):
+        if needed <= total - len(registry.pinned_blocks(besides="hot") - shared):
             registry.forget(lambda pin, blocks: pin.reason == "hot")  # automatic pins are a cache policy: they give way
             return None
         pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""

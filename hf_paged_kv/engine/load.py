@@ -72,9 +72,11 @@ class LoadControl:
         admission lately, the work of the first `ahead` in the queue (other than `besides`, the
         request refused) over the recent throughput (5 s with no steps yet). At least 0.1 s,
         which is also the answer when nothing is ahead."""
+        if ahead <= 0:
+            return 0.1
         rate = self.admission_rate()
-        if ahead <= 0 or rate > 0:
-            return max(0.1, ahead / rate if rate > 0 else 0.0)
+        if rate > 0:
+            return max(0.1, ahead / rate)
         first = [r for r in list(self.engine.scheduler.waiting) if r is not besides][:ahead]
         queued = sum(r.remaining + r.params.max_new_tokens for r in first)
         throughput = self.engine.admission.costs.throughput()

@@ -115,8 +115,9 @@ class PinRegistry:
         if self.pins.pop(pin.id, None) is not None:
             self.allocator.decref(pin.blocks)
 
-    def pinned_blocks(self) -> set[int]:
-        return {b for pin in self.pins.values() for b in pin.blocks}
+    def pinned_blocks(self, besides: str | None = None) -> set[int]:
+        """The blocks pins hold, but for the pins of reason `besides` ("hot": the automatic ones)."""
+        return {b for pin in self.pins.values() if pin.reason != besides for b in pin.blocks}
 
     def expire(self, now: float) -> None:
         for pin in [p for p in self.pins.values() if p.expires is not None and now >= p.expires]:
