@@ -38,6 +38,9 @@ from .reuse.prefix_index import PUBLIC_TENANT
 from .sequence import Sequence
 
 
+_CLAIMING = threading.Lock()  # held only while a thread checks that a cache is free and claims it
+
+
 @dataclass
 class _Forward:
     """A planned forward, committed by `finish_forward` or undone by `abort_forward`."""
@@ -48,6 +51,9 @@ class _Forward:
     lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
     new_turn: bool  # the forward begins a turn of the conversation (`pin_turns` counts them)
     thread: threading.Thread  # the one running it: another may not begin a forward meanwhile
+
+    def runs_elsewhere(self) -> bool:
+        return self.thread is not threading.current_thread() and self.thread.is_alive()
 
 
 class PagedCache(Cache):
@@ -63,11 +69,12 @@ class PagedCache(Cache):
         pin_turns: pin the first N turns of this conversation (a turn is one `generate` call;
             outside `generate`, a forward of more than one token) in device memory, within the
             pool's pin budget; see `hf_paged_kv.reuse.pins`.
-        priority: weight of this request's cached blocks in eviction and demotion (each step
-            doubles their value; see `hf_paged_kv.policy`).
+        priority: weight of this request's cached blocks in eviction and demotion (each step doubles
+            their value; see `hf_paged_kv.policy`). A cache is used by one thread at a time.
     """
 
     is_compileable = False  # True would switch on transformers' auto-compile for custom caches
+    is_croppable = True  # assisted decoding and prompt lookup crop rejected candidate tokens
 
     def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True, pin_turns: int = 0,
                  priority: int = 0):
@@ -95,8 +102,8 @@ class PagedCache(Cache):
         """Free every block this cache holds. Using the cache afterwards raises CacheReleasedError."""
         if self._released:
             return
-        if self._forward is not None:
-            self.abort_forward()
+        self.check_usable()  # never under another thread's running forward
+        self.abort_forward()  # one this thread left unfinished (interrupted)
         if self._pool is not None and self.sequences:
             with self._pool.locked():
                 self._release_rows(self._pool, self.sequences, offer=True)
@@ -127,7 +134,7 @@ class PagedCache(Cache):
 
     def __deepcopy__(self, memo) -> "PagedCache":
         """A copy that shares every block (copy-on-write) and continues independently."""
-        self._check_alive()
+        self.check_usable()
         if self._forward is not None:
             raise PagedKVError("a PagedCache cannot be copied during a forward")
         twin = copy.copy(self)  # settings, pool, model fingerprint
@@ -139,13 +146,16 @@ class PagedCache(Cache):
                     self._pool.incref(sequence.blocks)
         return twin
 
-    def _check_alive(self) -> None:
+    def check_usable(self) -> None:
+        """Raise unless this thread may use the cache: not released, not in another live thread's forward."""
         if self._released:
             raise CacheReleasedError("this PagedCache was released; create a new PagedCache()")
+        if self._forward is not None and self._forward.runs_elsewhere():
+            raise PagedKVError("this PagedCache is in a forward on another thread: use one PagedCache per thread")
 
     # --------------------------------------------------- transformers protocol
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        self._check_alive()
+        self.check_usable()
         return self.sequences[0].logical_length if self.sequences else 0
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
@@ -158,14 +168,10 @@ class PagedCache(Cache):
     def is_initialized(self) -> bool:
         return bool(self.sequences)
 
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Returns the new K/V unchanged: the registered attention function writes them into
         their blocks and reads the whole sequence from the pool."""
-        self._check_alive()
+        self.check_usable()
         if step.current() is None:
             raise NotEnabledError("PagedCache needs its model prepared by `hf_paged_kv.enable(model)` before generate/forward")
         return key_states, value_states
@@ -181,7 +187,7 @@ class PagedCache(Cache):
         self._select_rows(indices.tolist())
 
     def _select_rows(self, rows: list[int]) -> None:
-        self._check_alive()
+        self.check_usable()
         if not self.sequences:
             return
         chosen = [self.sequences[r].copy() for r in rows]
@@ -195,7 +201,7 @@ class PagedCache(Cache):
     def crop(self, max_length: int) -> None:
         """Drop the last `-max_length` logical positions if negative (what generate does); keep
         the first `max_length` if positive; 0 changes nothing (transformers' convention)."""
-        self._check_alive()
+        self.check_usable()
         logical = self.get_seq_length()
         keep = max_length if max_length > 0 else logical + max_length
         if keep >= logical or not self.sequences:
@@ -206,7 +212,7 @@ class PagedCache(Cache):
 
     def reset(self) -> None:
         """Forget all tokens and free the blocks; the cache stays usable."""
-        self._check_alive()
+        self.check_usable()
         self._drop(self.sequences)
         self.sequences, self.inherited = [], []
 
@@ -221,30 +227,30 @@ class PagedCache(Cache):
     def begin_forward(self, pool: KVPool, model: str, input_ids, stored: np.ndarray | None, shape: tuple[int, int],
                       allow_reuse: bool, logical: bool = False, new_turn: bool | None = None) -> step.StepPlan:
         """Plan the forward about to run on `pool` with the weights fingerprinted `model` (see
-        `prefill.prepare_forward`; `stored`: its columns that hold tokens, `prefill.stored_columns`
-        of its mask, None for all; `allow_reuse`: only the last logits are needed, as in
-        generate; `new_turn`: the forward begins a turn, by default when it feeds more than one
-        token). Raises PoolExhaustedError before changing anything when the pool is full."""
-        self._check_alive()
-        if self._forward is not None:  # the previous forward never finished (interrupted), or runs now
-            if self._forward.thread is not threading.current_thread() and self._forward.thread.is_alive():
-                raise PagedKVError("this PagedCache is in a forward on another thread: use one PagedCache per thread")
-            self.abort_forward()
-        self._bind(pool, model)
+        `prefill.prepare_forward`; `stored`: its columns that hold tokens, None for all; `allow_reuse`:
+        only the last logits are needed, as in generate; `new_turn`: it begins a turn, by default when
+        it feeds more than one token). Raises PoolExhaustedError before changing anything when the pool is full."""
         real = np.ones(shape, dtype=bool) if stored is None else stored
         ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
-        fresh = not self.sequences
-        if not fresh and len(self.sequences) != len(real):
-            raise PagedKVError(f"batch size changed from {len(self.sequences)} to {len(real)} rows within one "
-                               "PagedCache; use a fresh PagedCache for a new batch")
-        reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
-        sequences, plan, inherited = prefill.prepare_forward(
-            pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
-            allow_reuse, logical)
-        before, turn = [] if fresh else [s.length for s in sequences], real.shape[1] > 1 if new_turn is None else new_turn
-        self.sequences, self._forward = sequences, _Forward(real, ids, inherited, before, turn, threading.current_thread())
-        if fresh:
-            self.inherited = inherited.tolist()
+        turn = real.shape[1] > 1 if new_turn is None else new_turn
+        with _CLAIMING:  # checking that the cache is free and claiming it are one step: two threads never both pass
+            self.check_usable()
+            self.abort_forward()  # the previous forward never finished (interrupted)
+            fresh, before = not self.sequences, [s.length for s in self.sequences]
+            self._forward = _Forward(real, ids, np.zeros(len(real), dtype=np.int64), before, turn, threading.current_thread())
+        try:  # planning runs outside the pool's lock where it can (the semantic index embeds text)
+            self._bind(pool, model)
+            if not fresh and len(self.sequences) != len(real):
+                raise PagedKVError(f"batch size changed from {len(self.sequences)} to {len(real)} rows within one "
+                                   "PagedCache; use a fresh PagedCache for a new batch")
+            reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
+            self.sequences, plan, self._forward.inherited = prefill.prepare_forward(
+                pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
+                allow_reuse, logical)
+        except BaseException:
+            self._forward = None  # planning changed nothing
+            raise
+        self.inherited = self._forward.inherited.tolist() if fresh else self.inherited
         return plan
 
     def finish_forward(self) -> None:

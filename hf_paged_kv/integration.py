@@ -215,6 +215,7 @@ def _paged_forward(model, original):
         if kwargs.get("use_cache") is False:
             raise PagedKVError("a PagedCache was passed with use_cache=False, which would bypass it; drop "
                                "past_key_values or use_cache=False")
+        cache.check_usable()  # before anything reads or changes its rows (another thread's forward may)
         state = state_of(model)
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")

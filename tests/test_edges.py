@@ -4,6 +4,7 @@ bad calls refused clearly, tenants, and the semantic index kept out of locks and
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 
 import pytest
@@ -321,3 +322,46 @@ def test_one_cache_in_two_threads_at_once_is_refused(llama):
         first.join(30)
         assert errors and "in a forward on another thread" in errors[0]
         assert cache.row_lengths() == [12]  # the first thread's forward went through untouched
+
+
+def test_two_threads_starting_a_forward_on_one_cache_at_once_cannot_both_pass(llama):
+    """The check that the cache is free and its claim are one step: with thread switches forced
+    every microsecond, two threads that start together never both plan a forward on it."""
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=8))
+    ids = prompt(12, 7)
+    inside = threading.Semaphore(0)
+    release = threading.Event()
+
+    def hold(*_):
+        inside.release()
+        release.wait(30)
+
+    hook = llama.model.layers[0].register_forward_pre_hook(hold)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(50):
+            release.clear()
+            start, errors = threading.Barrier(2), []
+
+            def run(cache):
+                start.wait(30)
+                try:
+                    llama(input_ids=ids, past_key_values=cache)
+                except PagedKVError as error:
+                    errors.append(error)
+                    inside.release()
+
+            with PagedCache() as cache:
+                threads = [threading.Thread(target=run, args=(cache,)) for _ in range(2)]
+                for thread in threads:
+                    thread.start()
+                assert inside.acquire(timeout=30) and inside.acquire(timeout=30)
+                release.set()
+                for thread in threads:
+                    thread.join(30)
+                assert len(errors) == 1 and "in a forward on another thread" in str(errors[0])
+                assert cache.row_lengths() == [12]
+    finally:
+        sys.setswitchinterval(interval)
+        hook.remove()
