@@ -54,6 +54,25 @@ def run(clock, signals, controller, levels, seconds, events=(), priorities=(0,))
         controller.tick(signals, clock.now, priorities)
 
 
+def into_pressure(controller, signals, now: float) -> float:
+    """Three seconds of a full pool and preemptions, a tick each: pressure (dwell 0)."""
+    for _ in range(3):
+        now += 1.0
+        signals.sample_levels(FULL, now)
+        signals.record("preemption", 1.0, now)
+        controller.tick(signals, now)
+    return now
+
+
+def calm_down(controller, signals, now: float) -> float:
+    """80 calm seconds, a tick each: long enough for both windows to leave pressure."""
+    for _ in range(80):
+        now += 1.0
+        signals.sample_levels(CALM, now)
+        controller.tick(signals, now)
+    return now
+
+
 def test_pressure_is_entered_and_left_with_hysteresis_and_dwell():
     clock, signals, controller, applied, actions = setup()
     run(clock, signals, controller, CALM, 4)
@@ -425,21 +444,13 @@ def test_every_engine_actuator_moves_under_pressure_and_comes_back():
     engine = Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals = engine.load.controller, engine.load.signals
     before = controller.settings()
-    now = time.monotonic()
-    for _ in range(3):
-        now += 1.0
-        signals.sample_levels(FULL, now)
-        signals.record("preemption", 1.0, now)
-        controller.tick(signals, now)
+    now = into_pressure(controller, signals, time.monotonic())
     assert controller.state == "pressure"
     moved = {name for name, value in controller.settings().items() if value != before[name]}
     assert {"watermark", "growth_reserve", "pin_budget", "half_life", "prefetch_depth", "hot_threshold",
             "demote_ahead"} <= moved
     assert pool.policy.half_life == 150.0 and engine.limits.prefetch_depth == 0 and pool.reuse.pins.budget == 0.125
-    for _ in range(80):
-        now += 1.0
-        signals.sample_levels(CALM, now)
-        controller.tick(signals, now)
+    now = calm_down(controller, signals, now)
     assert controller.state == "normal"
     assert {k: v for k, v in controller.settings().items() if k != "max_batch_tokens"} == {
         k: v for k, v in before.items() if k != "max_batch_tokens"}
@@ -524,3 +535,134 @@ def test_goodput_counts_from_the_engines_start_not_its_construction():
     assert engine.stats()["availability"] == 1.0
     assert goodput >= 1 / (served + 0.1) > 1 / 1.0  # one request over the time since start, not the 1 s before it
     hf_paged_kv.disable(model)
+
+
+def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
+    """The pin budget, hot threshold and half-life live on the pool, which generate and later
+    engines use: an engine stopping mid-pressure puts them back, and the next engine starts from
+    the configured values, not the tightened ones."""
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=64, block_size=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)
+    engine = Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0))
+    controller, signals = engine.load.controller, engine.load.signals
+    now = into_pressure(controller, signals, time.monotonic())
+    assert controller.state == "pressure" and pool.policy.half_life == 150.0 and pool.reuse.pins.budget == 0.125
+    engine.start()
+    engine.stop()
+    assert pool.policy.half_life == 600.0 and pool.reuse.pins.budget == 0.25 and pool.reuse.pins.hot_threshold == 8.0
+    assert controller.state == "normal" and engine.stats()["controller"]["state"] == "normal"
+    later = Engine(model, thresholds=Thresholds(dwell=0.0, tick=0.0)).load.controller.settings()
+    assert later["half_life"] == 600.0 and later["pin_budget"] == 0.25 and later["hot_threshold"] == 8.0
+    hf_paged_kv.disable(model)
+
+
+def test_a_value_set_from_outside_becomes_the_configured_one():
+    """An operator's change to a knob while the engine runs is not overwritten: it becomes the
+    knob's configured value, pressure only tightens from it, and normal returns to it."""
+    model = make_model("llama", seed=1)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8, pin_budget=0.25),
+                    thresholds=Thresholds(dwell=0.0, tick=0.0))
+    controller, signals, limits = engine.load.controller, engine.load.signals, engine.limits
+    now = time.monotonic() + 1.0
+    signals.sample_levels(CALM, now)
+    controller.tick(signals, now)
+    limits.watermark, limits.max_batch_tokens = 0.2, 128
+    with engine.pool.locked():
+        engine.pool.reuse.pins.set_budget(0.5)
+    now = into_pressure(controller, signals, now)
+    assert controller.state == "pressure"
+    assert limits.watermark == 0.2 and engine.pool.reuse.pins.budget == 0.25  # tightened from the new values
+    assert controller.knobs["max_batch_tokens"].configured == 128 and controller.knobs["max_batch_tokens"].high == 256
+    now = calm_down(controller, signals, now)
+    assert controller.state == "normal" and limits.watermark == 0.2 and engine.pool.reuse.pins.budget == 0.5
+    assert limits.max_batch_tokens == 128
+    hf_paged_kv.disable(model)
+
+
+def test_under_a_standing_queue_the_budget_comes_back_from_a_shrink_and_from_growth():
+    """A queue that never empties must not hold the budget at its floor once per-token latency
+    has headroom again, nor above the configured value once first tokens use most of their target."""
+    clock, signals, controller, applied, _ = setup()
+    budget = controller.knobs["max_batch_tokens"]
+    run(clock, signals, controller, CALM | dict(queue_depth=4), 4, events=[("per_token", 0.5)])
+    assert budget.value < 256  # slow tokens: shrunk
+    run(clock, signals, controller, CALM | dict(queue_depth=4, oldest_wait=0.6), 30, events=[("per_token", 0.02)])
+    assert budget.value == 256  # headroom between tokens, first tokens at 0.6 of their target: back, no further
+    run(clock, signals, controller, CALM | dict(queue_depth=4), 10, events=[("per_token", 0.02)])
+    assert budget.value > 256  # both have headroom: it grows past the configured budget
+    run(clock, signals, controller, CALM | dict(queue_depth=4, oldest_wait=0.95), 30, events=[("per_token", 0.02)])
+    assert budget.value == 256  # first tokens at 95 % of their target: back down to the configured budget
+
+
+def test_a_budget_of_two_tokens_can_grow():
+    clock, signals = Clock(), Signals(short=2.0, long=4.0, clock=Clock())
+    knob = Knob("max_batch_tokens", 2, {}, 2, 4, lambda value: None)
+    controller = Controller([knob], SLO(ttft=1.0, per_token=0.1), Thresholds(dwell=3.0, tick=0.5))
+    run(clock, signals, controller, CALM | dict(queue_depth=4), 3, events=[("per_token", 0.01)])
+    assert knob.value > 2
+
+
+def test_a_preempted_request_waiting_is_not_a_level_to_shed_through():
+    """Its effective priority counts its preemptions, and it has its first token, so it can never
+    be shed: taken as the highest waiting level, it let the highest client priority be shed."""
+    model = make_model("llama", seed=1)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(ttft=0.05),
+                    thresholds=Thresholds(dwell=0.2, tick=0.0, overload_wait=2.0))
+    engine.accepting = True  # accept without running the loop: the test drives the ticks
+    engine.load.start()
+    past = time.monotonic() - 5.0
+    waiting = [Request([3, 4, 5], SamplingParams(4), priority=p, arrived=past) for p in (0, 0, 5, 5)]
+    resumed = Request([3, 4, 5], SamplingParams(4), priority=5, arrived=past)
+    resumed.preemptions, resumed.generated, resumed.first_token, resumed.last_token = 1, [7], past + 0.1, past + 0.1
+    for request in [*waiting, resumed]:
+        engine.scheduler.enqueue(request)
+    for _ in range(12):
+        engine.load.tick()
+        time.sleep(0.05)
+    assert engine.load.controller.state == "overload" and engine.load.controller.shed_below == 1
+    assert [r.outcome for r in waiting] == ["rejected", "rejected", None, None]
+    engine.submit([3, 4, 5], priority=5)  # the highest client priority is not shed
+    engine.start()
+    engine.stop(drain=False)
+    hf_paged_kv.disable(model)
+
+
+def test_demotion_ahead_of_need_runs_without_the_controller():
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=32, block_size=8, host_blocks=32)
+    engine = Engine(model, pool=pool, limits=Limits(demote_ahead=0.9), controller=False)
+    with engine:
+        for seed in range(4):
+            engine.submit(torch.randint(3, VOCAB, (40,), generator=torch.Generator().manual_seed(seed)).tolist(),
+                          max_new_tokens=2).result(timeout=60)
+        deadline = time.monotonic() + 10
+        while pool.stats()["blocks_free"] < 0.9 * 32 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert pool.stats()["blocks_free"] >= int(0.9 * 32) and pool.stats()["host_blocks_used"] > 0
+    hf_paged_kv.disable(model)
+
+
+def test_retry_after_counts_requests_the_loop_has_not_taken_in_yet():
+    """While the loop is inside a forward, the backlog is still in the engine's incoming queue:
+    a refusal then must not say 0.1 s."""
+    model = make_model("llama", seed=1)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), limits=Limits(max_waiting=4))
+    engine.accepting = True  # as if the loop were busy in a forward: nothing is taken in
+    engine.load.start()
+    for _ in range(8):
+        engine.admission.costs.record(100, 1.0)  # 100 tokens/s
+    for _ in range(4):
+        engine.submit([5] * 200, max_new_tokens=200)
+    with pytest.raises(Overloaded) as info:
+        engine.submit([3, 4, 5])
+    assert info.value.retry_after == pytest.approx(400 / 100, rel=0.05)  # the first one ahead: 400 tokens
+    engine.start()
+    engine.stop(drain=False)
+    hf_paged_kv.disable(model)
+
+
+@pytest.mark.parametrize("wrong", [dict(short_window=0), dict(long_window=-1), dict(kv_low=0.95),
+                                   dict(recover_wait=7.0), dict(dwell=-1), dict(short_window=120)])
+def test_thresholds_are_checked(wrong):
+    with pytest.raises(ValueError, match="invalid Thresholds"):
+        Thresholds(**wrong)

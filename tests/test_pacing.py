@@ -63,14 +63,19 @@ def test_requests_ahead_of_their_target_cap_nothing_and_the_tightest_sets_the_bu
     assert step_budget([ahead, fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
-def test_a_request_without_a_first_token_caps_nothing_one_recomputing_after_its_first_does():
+def test_only_decoding_requests_cap_the_budget():
+    """A request still feeding its prompt has no pace to keep; one recomputing its KV after a
+    preemption gets its next token only after the whole recompute, which a capped forward would
+    only spread over more forwards (500 tokens: 32 forwards, 2.1 s instead of 0.56 s)."""
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     prefilling = decoding(0, since=0.0, now=now)
     prefilling.first_token, prefilling.computed = None, 4  # still feeding its prompt
     assert step_budget([prefilling], True, LIMITS, costs, now) == 512
     resumed = started(1, since=0.0, last=0.0, now=now)
-    resumed.computed = 2  # recomputing its KV after a preemption: its next token is as due
-    assert step_budget([resumed], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    resumed.computed = 2  # recomputing its KV after a preemption
+    assert step_budget([resumed], True, LIMITS, costs, now) == 512
+    fresh = started(1, since=0.0, last=0.0, now=now)  # a decode beside it still sets the pace
+    assert step_budget([resumed, fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
 def test_unpaced_without_a_target_a_cost_line_or_a_prompt_that_could_join():

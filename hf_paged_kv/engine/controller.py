@@ -20,12 +20,14 @@ flaps:
 
 Independently of the state, the batch token budget shrinks when the per-token latency of
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
-the target, once per new evidence, returns to its configured value with no queue, and grows
-(both only once the slow requests behind a shrink have left the window) while there is a queue
-and both per-token latency and time to
-first token have headroom. Every knob is bounded, every change is logged and counted
+the target, once per new evidence; once the slow requests behind a shrink have left the window
+it grows while there is a queue and both per-token latency and time to first token have
+headroom, comes back toward its configured value under a queue when only one of them has, and
+returns to it with no queue. Every knob is bounded, every change is logged and counted
 (`controller_actions_total{knob=...}`), and the current values are in `engine.stats()` and the
-metrics.
+metrics. A value set from outside while the engine runs (`engine.limits.watermark = ...`)
+becomes that knob's configured value; when the engine stops, every knob returns to its
+configured value (the pool's knobs serve `generate` and later engines too).
 
 With the controller, the engine also admits by the time-to-first-token target
 (`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
@@ -43,6 +45,7 @@ prompt tokens those decodes can afford against the target (`pacing`).
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -67,7 +70,7 @@ class SLO:
 @dataclass
 class Thresholds:
     kv_high: float = 0.90  # enter pressure above this KV usage (short window)
-    kv_low: float = 0.75  # leave pressure below this (long window)
+    kv_low: float = 0.75  # leave pressure below this (both windows)
     # enter overload when the p95 queue wait exceeds this many TTFT targets and the oldest waiting
     # request is already past the target. High on purpose: a shed request misses its target for
     # certain (its retries count), so shedding pays only when the queue is far behind, not in a
@@ -80,18 +83,38 @@ class Thresholds:
     short_window: float = 10.0  # seconds the short averages cover
     long_window: float = 60.0  # seconds the long averages cover
 
+    def __post_init__(self):
+        wrong = [f"{name}={getattr(self, name)} (must be > 0)" for name in ("overload_wait", "short_window", "long_window")
+                 if not getattr(self, name) > 0]
+        wrong += [f"{name}={getattr(self, name)} (must be >= 0)" for name in ("dwell", "tick") if not getattr(self, name) >= 0]
+        if not 0 <= self.kv_low <= self.kv_high <= 1:
+            wrong.append(f"0 <= kv_low ({self.kv_low}) <= kv_high ({self.kv_high}) <= 1 does not hold")
+        if not 0 <= self.recover_wait < self.overload_wait:
+            wrong.append(f"recover_wait ({self.recover_wait}) must be >= 0 and below overload_wait ({self.overload_wait})")
+        if self.short_window > self.long_window:
+            wrong.append(f"short_window ({self.short_window}) is longer than long_window ({self.long_window})")
+        if wrong:
+            raise ValueError("invalid Thresholds: " + "; ".join(wrong))
+
 
 @dataclass
 class Knob:
     """One actuator: its value per state (a state without one leaves the knob to a rule),
-    bounds, and how to apply a value."""
+    bounds, and how to apply a value. With `read` (the live value) and `derive` (a configured
+    value's targets and bounds), a value someone else set since the controller's last move
+    becomes the configured one (`follow_user`)."""
 
     name: str
-    value: float  # the configured value, applied now
+    value: float  # applied now
     targets: dict[str, float]
     low: float
     high: float
     apply: Callable[[float], None]
+    read: Callable[[], float] | None = None
+    derive: Callable[[float], tuple[dict[str, float], float, float]] | None = None
+
+    def __post_init__(self):
+        self.configured = self.value  # where the normal state and a stopping engine leave it
 
     def move_to(self, value: float) -> bool:
         value = min(self.high, max(self.low, value))
@@ -99,6 +122,15 @@ class Knob:
             return False
         self.value = value
         self.apply(value)
+        return True
+
+    def follow_user(self) -> bool:
+        """Adopt a live value the controller did not set as the configured one (its targets and
+        bounds follow); True when there was one."""
+        if self.read is None or (live := self.read()) is None or live == self.value:
+            return False
+        self.value = self.configured = live
+        self.targets, self.low, self.high = self.derive(live)
         return True
 
 
@@ -112,8 +144,6 @@ class Controller:
         self.shed_below = float("-inf")  # priorities below this are refused while overloaded
         self.shed_since: float | None = None
         self.seen: set[int] = set()  # the priorities waiting since overload began
-        budget = self.knobs.get("max_batch_tokens")
-        self.budget_configured = budget.value if budget else None
         self.budget_moved = self.budget_shrunk = float("-inf")
 
     def tick(self, signals: Signals, now: float, priorities=()) -> bool:
@@ -125,6 +155,7 @@ class Controller:
         if self.entered is None:
             self.entered = now
         reading = signals.read(now)
+        self._follow_users()
         self._transition(reading["short"], reading["long"], reading["now"], now)
         for knob in self.knobs.values():
             target = knob.targets.get(self.state)
@@ -133,6 +164,24 @@ class Controller:
         self._batch_budget(signals, reading["short"], reading["now"], now)
         self._shedding(now, priorities)
         return True
+
+    def restore(self) -> None:
+        """Every knob back at its configured value, the state normal and nothing shed: the engine
+        stops, and the pool's knobs (pin budget, hot threshold, half-life) serve `generate` and
+        later engines, which would read tightened values as configured."""
+        self._follow_users()
+        for knob in self.knobs.values():
+            if knob.move_to(knob.configured):
+                self._act(knob.name, knob.value)
+        if self.state != "normal":
+            self.state, self.entered = "normal", None
+            self._act("state", STATES.index("normal"))
+        self._shedding(0.0, ())
+
+    def _follow_users(self) -> None:
+        for knob in self.knobs.values():
+            if knob.follow_user():
+                log.info("controller: %s set to %s from outside: its configured value now", knob.name, knob.value)
 
     # ------------------------------------------------------------- states
     def _transition(self, short: dict, long: dict, current: dict, now: float) -> None:
@@ -170,20 +219,24 @@ class Controller:
 
     # -------------------------------------------------------------- rules
     def _batch_budget(self, signals: Signals, short: dict, current: dict, now: float) -> None:
-        """Shrink the token budget when per-token latency breaks its target; grow it back while
-        requests queue and both latencies have headroom; with no queue, return to the configured
-        budget. A shrink needs the window's p95 over the target and evidence newer than the last
-        move (the window still holds what that move answered: read again, one slow request took the
-        budget to its floor in 2 s); nothing grows back until that evidence has left the window. First
-        tokens have no headroom when their p95 or the oldest waiting request has used half the
-        target: a larger forward delays every first token in it, and in a burst the short prompts
-        admitted first would wait for the long ones (on bench_load's trace the budget doubled in a
-        burst's first seconds and its shortest prompts got their first tokens together with the
-        longest)."""
+        """Shrink the token budget when per-token latency breaks its target. While requests queue,
+        grow it when both latencies have headroom (past the configured budget too), else bring it
+        back toward the configured budget: up once per-token latency has headroom again (a shrunk
+        budget under a standing queue only lengthens it), down once first tokens use most of
+        their target; with no queue, return to the configured budget.
+
+        A shrink needs the window's p95 over the target and evidence newer than the last move
+        (the window still holds what that move answered: read again, one slow request took the
+        budget to its floor in 2 s); nothing grows back until that evidence has left the window.
+        First tokens have no headroom to grow when their p95 or the oldest waiting request has
+        used half the target: a larger forward delays every first token in it, and in a burst the
+        short prompts admitted first would wait for the long ones (on bench_load's trace the
+        budget doubled in a burst's first seconds and its shortest prompts got their first tokens
+        together with the longest)."""
         knob = self.knobs.get("max_batch_tokens")
         if knob is None:
             return
-        window = signals.windows["short"]
+        window, configured = signals.windows["short"], knob.configured
         fresh, count = signals.p95("per_token", max(now - window, self.budget_moved))
         slow = short["per_token_p95"] > self.slo.per_token
         if slow and count and fresh > self.slo.per_token:
@@ -192,16 +245,23 @@ class Controller:
         elif now - self.budget_shrunk < window:  # what made it shrink is still in the window
             return
         elif current["queue_depth"] >= 1:
-            if not (short["per_token_p95"] < 0.7 * self.slo.per_token
-                    and max(short["ttft_p95"], current["oldest_wait"]) < 0.5 * self.slo.ttft):
+            tokens_room = short["per_token_p95"] < 0.7 * self.slo.per_token
+            first_used = max(short["ttft_p95"], current["oldest_wait"]) / self.slo.ttft
+            if tokens_room and first_used < 0.5:
+                value = knob.value * 1.25
+            elif tokens_room and knob.value < configured:
+                value = min(knob.value * 1.25, configured)
+            elif first_used > 0.8 and knob.value > configured:  # between 0.5 and 0.8 it holds: no flapping
+                value = max(knob.value * 0.75, configured)
+            else:
                 return
-            value = knob.value * 1.25
-        elif knob.value != self.budget_configured and not slow:
-            step = 1.25 if knob.value < self.budget_configured else 0.75
-            value = (min if step > 1 else max)(knob.value * step, self.budget_configured)
+        elif knob.value != configured and not slow:
+            step = 1.25 if knob.value < configured else 0.75
+            value = (min if step > 1 else max)(knob.value * step, configured)
         else:
             return
-        if knob.move_to(round(value)):
+        # rounded away from the current value: a budget of 2 grows (round(2 x 1.25) would stay 2)
+        if knob.move_to(math.ceil(value) if value > knob.value else math.floor(value)):
             self.budget_moved = now
             self._act(knob.name, knob.value)
 
@@ -242,38 +302,40 @@ class Controller:
 def engine_knobs(engine) -> list[Knob]:
     """The actuators of an engine and its pool. Each starts at its configured value and returns to
     it in the normal state; pressure and overload only tighten (a watermark configured above
-    pressure's keeps its own), and every bound includes the configured value."""
+    pressure's keeps its own), and every bound includes the configured value. Each reads its
+    live value, so a change made from outside (`engine.limits`, `pins.set_budget`, ...) becomes
+    the configured value."""
     limits, pool = engine.limits, engine.pool
     pins, policy = pool.reuse.pins, pool.policy
 
-    def setter(owner, attribute, cast=float):
-        return lambda value: setattr(owner, attribute, cast(value))
+    def knob(name, owner, attribute, derive, cast=float, apply=None):
+        configured = getattr(owner, attribute)
+        targets, low, high = derive(configured)
+        return Knob(name, configured, targets, low, high, apply or (lambda v: setattr(owner, attribute, cast(v))),
+                    lambda: getattr(owner, attribute), derive)
 
-    def tightening(name, configured, pressure, overload, high, apply):
-        return Knob(name, configured, {"normal": configured, "pressure": max(configured, pressure),
-                                       "overload": max(configured, overload)}, 0.0, max(high, configured), apply)
+    def tightening(pressure, overload, high):
+        return lambda c: ({"normal": c, "pressure": max(c, pressure), "overload": max(c, overload)}, 0.0, max(high, c))
+
+    def scaled(pressure, overload, low, high):  # targets and bounds as multiples of the configured value
+        return lambda c: ({"normal": c, "pressure": c * pressure, "overload": c * overload}, c * low, c * high)
 
     def set_pin_budget(value):  # the pins' registry changes only under the pool's lock
         with pool.locked():
             pins.set_budget(value)
 
-    budget, pin_budget, half_life, depth = limits.max_batch_tokens, pins.budget, policy.half_life, limits.prefetch_depth
     knobs = [
-        tightening("watermark", limits.watermark, 0.05, 0.10, 0.3, setter(limits, "watermark")),
-        tightening("growth_reserve", limits.growth_ratio_min, 0.3, 0.5, 1.0, setter(limits, "growth_ratio_min")),
-        Knob("max_batch_tokens", budget, {}, min(budget, max(16, budget // 4)), budget * 2,
-             setter(limits, "max_batch_tokens", int)),
-        Knob("pin_budget", pin_budget, {"normal": pin_budget, "pressure": pin_budget / 2, "overload": pin_budget / 4},
-             0.0, 1.0, set_pin_budget),
-        Knob("half_life", half_life, {"normal": half_life, "pressure": half_life / 4, "overload": half_life / 4},
-             half_life / 16, half_life, setter(policy, "half_life")),
-        Knob("prefetch_depth", depth, {"normal": depth, "pressure": 0, "overload": 0}, 0, max(16, depth),
-             setter(limits, "prefetch_depth", int)),
+        knob("watermark", limits, "watermark", tightening(0.05, 0.10, 0.3)),
+        knob("growth_reserve", limits, "growth_ratio_min", tightening(0.3, 0.5, 1.0)),
+        knob("max_batch_tokens", limits, "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * 2), int),
+        knob("pin_budget", pins, "budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0),
+             apply=set_pin_budget),
+        knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0)),
+        knob("prefetch_depth", limits, "prefetch_depth",
+             lambda c: ({"normal": c, "pressure": 0, "overload": 0}, 0, max(16, c)), int),
     ]
     if pins.hot_threshold is not None:
-        hot = pins.hot_threshold
-        knobs.append(Knob("hot_threshold", hot, {"normal": hot, "pressure": 2 * hot, "overload": 4 * hot}, hot, 8 * hot,
-                          setter(pins, "hot_threshold")))
+        knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8)))
     if pool.tiers.host is not None:
-        knobs.append(tightening("demote_ahead", limits.demote_ahead, 0.10, 0.15, 0.5, setter(limits, "demote_ahead")))
+        knobs.append(knob("demote_ahead", limits, "demote_ahead", tightening(0.10, 0.15, 0.5)))
     return knobs

@@ -56,6 +56,7 @@ class Engine:
             copied, so the controller moves this engine's own (`engine.limits`).
         controller: adapt the knobs to the load (`controller.Controller`); False keeps them fixed.
         slo: service-level targets (`controller.SLO`): used by the controller, reported as goodput.
+        thresholds: when the controller changes state, and how often it decides (`controller.Thresholds`).
     """
 
     def __init__(self, model, tokenizer=None, pool: KVPool | None = None, max_running: int = 64,
@@ -74,7 +75,7 @@ class Engine:
         self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
         self.outcomes = Outcomes(self)
         self.admission.on_impossible = self.outcomes.cannot_fit
-        self.incoming: queue.SimpleQueue = queue.SimpleQueue()
+        self.incoming: queue.Queue = queue.Queue()  # a Queue: retry_after reads what it holds
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.gate = threading.Lock()  # a submit either queues before stop() stops accepting, or is refused
@@ -166,6 +167,7 @@ class Engine:
             self._intake()  # requests queued just before stop() stopped accepting
         finally:
             self.outcomes.end_all("cancelled")
+            self.load.stop()
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()

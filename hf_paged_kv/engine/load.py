@@ -24,6 +24,7 @@ class LoadControl:
         self.engine, self.slo = engine, slo
         thresholds = thresholds or Thresholds()
         self.signals = Signals(thresholds.short_window, thresholds.long_window)
+        self.every, self.demoted = thresholds.tick, float("-inf")  # demotion ahead of need runs once per tick
         self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
         self.started: float | None = None  # the engine's first start(): goodput counts from it
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
@@ -45,6 +46,11 @@ class LoadControl:
         if self.started is None:
             self.started = time.monotonic()
             self.signals.start(self.started)
+
+    def stop(self) -> None:
+        """The engine's loop ends: the controller puts every knob back (`Controller.restore`)."""
+        if self.controller is not None:
+            self.controller.restore()
 
     # ----------------------------------------------------------- events
     def admit_or_refuse(self, priority: int) -> None:
@@ -77,7 +83,8 @@ class LoadControl:
         rate = self.admission_rate()
         if rate > 0:
             return max(0.1, ahead / rate)
-        first = [r for r in list(self.engine.scheduler.waiting) if r is not besides][:ahead]
+        queued = [*self.engine.scheduler.waiting, *self.engine.incoming.queue.copy()]  # the loop may not have taken them in
+        first = [r for r in queued if r is not besides][:ahead]
         queued = sum(r.remaining + r.params.max_new_tokens for r in first)
         throughput = self.engine.admission.costs.throughput()
         return max(0.1, queued / throughput) if throughput > 0 else 5.0
@@ -141,11 +148,14 @@ class LoadControl:
             "host_usage": stats.get("host_blocks_used", 0) / max(stats.get("host_blocks", 1), 1),
             "pinned_share": stats["blocks_pinned"] / total,
         } | {f"hit_rate_{tier}": rate for tier, rate in self._hit_rates(stats).items()}, now)
-        priorities = [request.effective_priority for request in engine.scheduler.waiting]
+        if engine.limits.demote_ahead and now - self.demoted >= self.every:  # with or without the controller
+            engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
+            self.demoted = now
+        # the levels shedding steps through: those of requests it could turn away (a preempted
+        # request has its first token, and its effective priority counts its preemptions)
+        priorities = [request.effective_priority for request in engine.scheduler.waiting if not request.generated]
         if self.controller is None or not self.controller.tick(self.signals, now, priorities):
             return
-        if engine.limits.demote_ahead:
-            engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
         for request in list(engine.scheduler.waiting):
             if request.effective_priority < self.controller.shed_below and self._late(request, now):
                 engine.outcomes.turn_away(request)

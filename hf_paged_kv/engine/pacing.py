@@ -38,10 +38,13 @@ def step_budget(running: list[Request], waiting: bool, limits: Limits, costs: St
     `Limits.max_batch_tokens`, less where the running requests with a first token cannot afford
     the time; at least their decodes and `MIN_PREFILL` more. Unpaced (and nothing fitted) when
     no prompt could join: nothing waits and every running request is decoding."""
-    budget, target, now = limits.max_batch_tokens, limits.per_token_target, now or time.monotonic()
+    budget, target = limits.max_batch_tokens, limits.per_token_target
+    now = time.monotonic() if now is None else now
     if target is None or not (waiting or any(r.remaining > 1 for r in running)):
         return budget
-    started = [r for r in running if r.first_token is not None]
+    # decoding requests with a first token; one recomputing its KV after a preemption caps nothing:
+    # its next token comes after its whole recompute, which smaller forwards only delay
+    started = [r for r in running if r.first_token is not None and r.remaining == 1]
     if not started:
         return budget
     # a step's allowance is each request's slack (see yielding) before the step, or one target since its last token

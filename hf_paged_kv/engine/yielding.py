@@ -10,8 +10,8 @@ them, their partial block is kept in host memory, and they resume with exactly t
 copied back (recomputed only where the host tier had to drop a block meanwhile).
 
 A decode can afford a pause while it would still meet its per-token target (the mean time
-between its tokens) if its next token after the pause were its last: with `g` tokens since its
-first at `f`, at time `t`, its slack is `g x target - (t - f) - one step`. Victims need a slack of
+between its tokens) if its next token after the pause were its last: with `g` tokens generated
+(the first, at `f`, included), at time `t`, its slack is `g x target - (t - f) - one step`. Victims need a slack of
 at least `MIN_SLACK` time-to-first-token targets (they wait for memory to free, which in a burst
 takes about that long) and more than one token still to generate (one about to end frees its
 blocks anyway); the lowest (effective) priority goes first, then the most slack; none is above

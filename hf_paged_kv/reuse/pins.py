@@ -24,7 +24,8 @@ Pins expire at their TTL.
 A lower budget (the load controller halves it under memory pressure) makes pins beyond it give
 way, lowest priority and then oldest first; they come back, highest priority first, when the
 budget grows again, if their blocks are still cached on the device under the same digests (a
-block evicted or demoted to a lower tier in between does not come back).
+block evicted or demoted to a lower tier in between does not come back: that pin then counts in
+`pins_refused`, as one that never fit does; while it may come back it counts in `pins_given_way`).
 """
 
 from __future__ import annotations
@@ -174,9 +175,10 @@ class PinRegistry:
                 break
             metas = [self.index.metas.get(block) for block in pin.blocks]
             self.remove(pin)
-            self.refused += 1
             if all(metas):  # only KV still named by its digests can be recognised later
                 self.given_way.append((pin, [meta.digest for meta in metas]))
+            else:  # it can never come back: lost, as a refused pin is
+                self.refused += 1
         self._restore()
 
     def _restore(self) -> None:
@@ -185,8 +187,11 @@ class PinRegistry:
         now = self.index.policy.now()
         for pin, digests in sorted(self.given_way, key=lambda entry: (-entry[0].priority, entry[0].created)):
             blocks = [self.index.lookup(digest, now) for digest in digests]
-            if None in blocks or (pin.expires is not None and now >= pin.expires):
-                self.given_way.remove((pin, digests))  # its KV left the device, or its time is up
+            expired = pin.expires is not None and now >= pin.expires
+            if expired or None in blocks:
+                self.given_way.remove((pin, digests))
+                if not expired:  # its KV left the device: lost for good, as a refused pin is
+                    self.refused += 1
                 continue
             if len(self.pinned_blocks() | set(blocks)) > self.budget_blocks:
                 break
