@@ -9,7 +9,7 @@
 
 from .advisor import advise_block_size
 from .cache import PagedCache
-from .engine import Engine, RequestHandle
+from .engine import SLO, Engine, Limits, RequestFailed, RequestHandle, Thresholds
 from .errors import (
     CacheReleasedError,
     NotEnabledError,
@@ -41,6 +41,10 @@ __all__ = [
     "KVPool",
     "Engine",
     "RequestHandle",
+    "RequestFailed",
+    "SLO",
+    "Limits",
+    "Thresholds",
     "Overloaded",
     "SemanticIndex",
     "PagedKVError",

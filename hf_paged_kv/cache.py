@@ -30,11 +30,10 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import prefill, step
+from . import arguments, prefill, step
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError
 from .pool import KVPool
 from .reuse.pins import TurnPins
-from .reuse.prefix_index import PUBLIC_TENANT
 from .sequence import Sequence
 
 
@@ -60,8 +59,8 @@ class PagedCache(Cache):
     """Paged KV cache for `model.generate(past_key_values=PagedCache())` on an enabled model.
 
     Args:
-        pool: the KVPool to draw blocks from. Default: the pool of the model the cache is first
-            used with (`hf_paged_kv.enable(model)` creates it).
+        pool: the pool of the model it is for, bound up front (another model's is refused at the
+            first forward). Default: the pool of the model the cache is first used with.
         tenant: whose KV this is. Cached prefixes are shared only within a tenant (and with
             prefixes published to all by `hf_paged_kv.publish`).
         reuse: inherit cached prefixes of earlier requests and offer this one's blocks to later
@@ -79,11 +78,9 @@ class PagedCache(Cache):
     def __init__(self, pool: KVPool | None = None, tenant: str = "default", reuse: bool = True, pin_turns: int = 0,
                  priority: int = 0):
         super().__init__(layers=[])
-        if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
-            raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {tenant!r}")
         if pin_turns and not reuse:
             raise ValueError("pin_turns needs reuse=True: pinned turns are only useful to later requests")
-        self.tenant, self.reuse, self.priority = tenant, reuse, priority
+        self.tenant, self.reuse, self.priority = arguments.tenant(tenant), reuse, arguments.integer("priority", priority)
         self.turn_pins = TurnPins(pin_turns)
         self.sequences: list[Sequence] = []
         self.inherited: list[int] = []  # per row: prompt tokens inherited from cached prefixes
@@ -286,7 +283,9 @@ class PagedCache(Cache):
 
     def _bind(self, pool: KVPool, model: str) -> None:
         if self._pool not in (None, pool):
-            raise PagedKVError("this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model")
+            raise PagedKVError("this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model"
+                               if self.sequences else "this PagedCache was given another pool than the model's: a "
+                               "model's forwards use its own pool (hf_paged_kv.pool_of(model))")
         self._pool = pool
         # other weights than the ones that computed this cache's KV: keep computing, never share it
         self._model = model if not self.sequences or self._model == model else None

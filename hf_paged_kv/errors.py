@@ -19,8 +19,8 @@ class PoolExhaustedError(PagedKVError):
         super().__init__(
             f"KV pool exhausted: this forward needs {needed} more block(s) but only {free} of "
             f"{num_blocks} are free or evictable. Release finished caches (`cache.release()` or a `with` block), "
-            "or enable the model with a larger pool: "
-            "`hf_paged_kv.enable(model, pool=KVPool(num_blocks=...))`."
+            "or give the model a larger pool: "
+            "`hf_paged_kv.disable(model)`, then `hf_paged_kv.enable(model, pool=KVPool(num_blocks=...))`."
         )
 
 

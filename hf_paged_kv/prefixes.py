@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from . import arguments
 from .cache import PagedCache
 from .errors import PagedKVError
 from .integration import current_fingerprint, pool_of
@@ -42,6 +43,7 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
     pin budget cannot hold it even after displacing lower-priority pins.
     """
     pool = pool_of(model)
+    priority, ttl = arguments.integer("priority", priority), arguments.seconds("ttl", ttl)
     with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
         if not blocks:
             raise ValueError(f"the prefix fills no block of {pool.block_size} tokens; nothing to pin")
@@ -87,7 +89,11 @@ def _token_ids(prefix, tokenizer) -> list[int]:
         if tokenizer is None:
             raise ValueError("a text prefix needs its tokenizer")
         return tokenizer(prefix, add_special_tokens=False)["input_ids"]
-    return torch.as_tensor(prefix, dtype=torch.long).reshape(-1).tolist()
+    ids = torch.as_tensor(prefix, dtype=torch.long)
+    if (ids.dim() == 2 and ids.shape[0] != 1) or ids.dim() > 2:  # [n] or [1, n], as a tokenizer returns it
+        raise ValueError(f"the prefix must be one sequence of token ids, got a tensor of shape {tuple(ids.shape)}; "
+                         "call once per sequence")
+    return ids.reshape(-1).tolist()
 
 
 @contextmanager

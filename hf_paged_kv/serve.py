@@ -62,12 +62,22 @@ def load(model: str, dtype: str, device: str):
     if model == SMOLLM2 and not path.is_dir():
         path = smollm2_directory()
     check_model_dir(path)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise SystemExit(f"error: --device {device}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {device}: this machine's torch sees no CUDA device; use --device cpu")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:  # missing or unreadable tokenizer files
+        raise SystemExit(f"error: --model {path}: its tokenizer cannot be loaded ({error}). The directory needs the "
+                         "tokenizer files that tokenizer.save_pretrained writes beside the model's") from None
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, local_files_only=True).eval()
     return loaded.to(device), tokenizer
 
 
@@ -95,14 +105,17 @@ def smollm2_directory() -> Path:
 
 def build_app(args: argparse.Namespace):
     """The FastAPI app for these arguments (the model loaded, the engine built, not started)."""
-    from hf_paged_kv import Engine, KVPool
+    from hf_paged_kv import Engine, KVPool, PagedKVError
 
     from .engine.server import create_app
 
     model, tokenizer = load(args.model, args.dtype, args.device)
-    pool = KVPool(num_blocks=args.num_blocks, max_bytes=args.max_bytes, block_size=args.block_size)
-    engine = Engine(model, tokenizer=tokenizer, pool=pool, max_running=args.max_running,
-                    max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting)
+    try:  # options the pool or the engine refuse (a byte budget below one block, ...)
+        pool = KVPool(num_blocks=args.num_blocks, max_bytes=args.max_bytes, block_size=args.block_size)
+        engine = Engine(model, tokenizer=tokenizer, pool=pool, max_running=args.max_running,
+                        max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting)
+    except (PagedKVError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
     name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)
     return create_app(engine, name, default_max_tokens=args.default_max_tokens)
 

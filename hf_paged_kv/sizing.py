@@ -48,6 +48,9 @@ def choose_num_blocks(options: dict, layers, block_size: int, dtype: torch.dtype
     accelerators = {s.device for s in layers if s.device.type != "cpu"}
     if options["max_bytes"] is not None:
         count = int(options["max_bytes"]) // per_block  # 2e9 is a fine way to write it
+        if count < 1:  # a bad value, where the memory left on a device (below) is the machine's state
+            raise ValueError(f"max_bytes={options['max_bytes']} holds no block of {per_block} bytes; raise it or "
+                             "lower block_size")
     elif not accelerators:
         budget = DEFAULT_CPU_BYTES if fraction is None else int(fraction * available_bytes(torch.device("cpu")))
         count = budget // per_block

@@ -228,7 +228,10 @@ def test_bad_sampling_arguments_and_token_ids_are_refused_at_submit(model):
     engine.accepting = True  # submit only: nothing runs
     for kwargs, message in ((dict(do_sample=True, temperature=float("nan")), "temperature must be finite"),
                             (dict(top_k=2.5), "top_k must be an integer"), (dict(max_new_tokens=2.5), "integer"),
-                            (dict(top_p=float("nan")), "top_p")):
+                            (dict(top_p=float("nan")), "top_p"), (dict(seed="x"), "seed must be an integer"),
+                            (dict(do_sample="yes"), "do_sample must be True or False"),
+                            (dict(eos_token_id="x"), "eos_token_id must be an integer"),
+                            (dict(eos_token_id=[2, VOCAB]), f"eos_token_id outside the model's vocabulary of {VOCAB}")):
         with pytest.raises(ValueError, match=message):
             engine.submit([5, 6, 7], **kwargs)
     with pytest.raises(ValueError, match=f"outside the model's vocabulary of {VOCAB}: \\[{VOCAB}, -1\\]"):

@@ -153,7 +153,7 @@ def test_a_byte_budget_may_be_written_as_a_float(llama):
 
 
 def test_budget_too_small_for_one_block(llama):
-    with pytest.raises(PagedKVError, match="holds no block"):
+    with pytest.raises(ValueError, match="max_bytes=100 holds no block"):
         hf_paged_kv.enable(llama, pool=KVPool(max_bytes=100))
 
 
@@ -169,3 +169,49 @@ def test_training_dropout_is_refused(llama):
     llama.train()
     with pytest.raises(PagedKVError, match="dropout must be 0"):
         llama(*random_batch(1, 5), past_key_values=PagedCache())
+
+
+@pytest.mark.parametrize("priority", ["high", None, 1.5, True])
+def test_a_bad_priority_is_refused_where_it_is_given(llama, priority):
+    """Stored on cached blocks, it broke every later eviction of every request on the pool."""
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        PagedCache(priority=priority)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        hf_paged_kv.pin(llama, torch.arange(3, 19), priority=priority)
+    assert_pool_clean(pool)
+
+
+@pytest.mark.parametrize("ttl", [-5, 0, float("inf"), "10"])
+def test_a_bad_ttl_is_refused(llama, ttl):
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match="ttl must be a finite number of seconds > 0"):
+        hf_paged_kv.pin(llama, torch.arange(3, 19), ttl=ttl)
+    with pytest.raises(ValueError, match="ttl must be a finite number of seconds > 0"):
+        hf_paged_kv.SemanticIndex(tokenizer=None, ttl=ttl)
+
+
+def test_a_batch_given_as_one_prefix_is_refused(llama):
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match=r"one sequence of token ids, got a tensor of shape \(2, 8\)"):
+        hf_paged_kv.cached_tokens(llama, torch.arange(3, 19).reshape(2, 8))
+    assert hf_paged_kv.cached_tokens(llama, torch.arange(3, 19)[None]) == {"device": 0, "host": 0, "disk": 0}
+
+
+def test_the_triton_backend_is_refused_for_layers_off_cuda(llama, monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(PagedKVError, match="runs its kernels on CUDA devices, and the model has layers on cpu"):
+        hf_paged_kv.enable(llama, backend="triton")
+    with pytest.raises(NotEnabledError):  # refused before anything changed
+        hf_paged_kv.pool_of(llama)
+
+
+def test_a_cache_given_another_pool_says_so(llama):
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    with pytest.raises(PagedKVError, match="given another pool than the model's"):
+        llama(*random_batch(1, 5), past_key_values=PagedCache(pool=KVPool(num_blocks=8)))
+
+
+def test_the_configuration_classes_are_at_the_top_level():
+    from hf_paged_kv import SLO, Limits, RequestFailed, Thresholds  # noqa: F401 - the README imports them so

@@ -54,3 +54,12 @@ def test_installed_copy_imports_without_the_source_tree(source, tmp_path):
     result = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().startswith(str(site))
+
+
+def test_the_package_version_is_the_one_pyproject_declares():
+    import tomllib
+
+    import hf_paged_kv
+
+    declared = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["version"]
+    assert hf_paged_kv.__version__ == declared

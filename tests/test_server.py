@@ -576,6 +576,23 @@ def test_serve_refuses_a_missing_model_directory(tmp_path):
         serve.main(["--model", str(tmp_path)])
 
 
+def test_serve_says_what_is_wrong_with_its_options_without_a_traceback(tmp_path):
+    from hf_paged_kv import serve
+
+    make_model("llama", seed=13).save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(SystemExit, match="its tokenizer cannot be loaded"):
+        serve.build_app(serve.parse_args(["--model", str(tmp_path / "no-tokenizer"), "--device", "cpu"]))
+    word_tokenizer().save_pretrained(tmp_path / "no-tokenizer")
+    with pytest.raises(SystemExit, match="error: max_bytes=100 holds no block"):
+        serve.build_app(serve.parse_args(["--model", str(tmp_path / "no-tokenizer"), "--max-bytes", "100",
+                                          "--device", "cpu"]))
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: this machine's torch sees no CUDA device"):
+            serve.build_app(serve.parse_args(["--model", str(tmp_path / "no-tokenizer"), "--device", "cuda"]))
+    with pytest.raises(SystemExit, match="--device gpu0"):
+        serve.build_app(serve.parse_args(["--model", str(tmp_path / "no-tokenizer"), "--device", "gpu0"]))
+
+
 def test_serve_builds_an_app_from_a_model_directory(tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
 

@@ -15,6 +15,8 @@ anywhere; `triton` (paged kernels) is the default on CUDA.
 
 from __future__ import annotations
 
+import os
+
 from ..errors import PagedKVError
 
 NAMES = ("torch", "triton")
@@ -28,6 +30,11 @@ def choose(name: str, devices) -> str:
         raise ValueError(f"backend must be one of {NAMES + ('auto',)}, got {name!r}")
     if name == "triton" and not _triton_available():
         raise PagedKVError("backend='triton' needs the triton package (pip install triton)")
+    elsewhere = sorted({str(d) for d in devices if d.type != "cuda"})
+    if name == "triton" and elsewhere and os.environ.get("TRITON_INTERPRET") != "1":
+        raise PagedKVError(f"backend='triton' runs its kernels on CUDA devices, and the model has layers on "
+                           f"{', '.join(elsewhere)}: use backend='torch' (or 'auto'), or set TRITON_INTERPRET=1 before "
+                           "anything imports triton to run the kernels in Triton's (slow) interpreter")
     return name
 
 

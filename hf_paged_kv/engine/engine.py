@@ -26,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from .. import arguments
 from ..advisor import Advice, advise_block_size
 from ..errors import PagedKVError
 from ..integration import current_fingerprint, enable, state_of
@@ -124,8 +125,9 @@ class Engine:
         Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
         if not self.accepting:
             raise PagedKVError("the engine is not running: call start() or use it as a context manager")
-        ids = _prompt_ids(prompt, self.tokenizer, self.model.get_input_embeddings().num_embeddings)
-        eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id))
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
+        eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
         request = Request(ids, params, tenant=tenant, priority=priority)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
@@ -280,7 +282,13 @@ def _prompt_ids(prompt, tokenizer, vocabulary: int) -> list[int]:
     return ids
 
 
-def _as_list(value) -> list[int]:
+def _as_list(value, vocabulary: int | None = None) -> list[int]:
+    """Stop token ids as a list (None: none); those given to `submit` are checked against the
+    `vocabulary` (an id outside it could never stop the request)."""
     if value is None:
         return []
-    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    ids = [arguments.integer("eos_token_id", v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+    outside = [t for t in ids if vocabulary is not None and not 0 <= t < vocabulary]
+    if outside:
+        raise ValueError(f"eos_token_id outside the model's vocabulary of {vocabulary}: {outside[:5]}")
+    return ids

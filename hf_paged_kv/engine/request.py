@@ -16,15 +16,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-import operator
 import threading
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from .. import arguments
 from ..errors import PagedKVError
-from ..reuse.prefix_index import PUBLIC_TENANT
 from ..sequence import Sequence
 
 _ids = itertools.count(1)
@@ -42,13 +41,11 @@ class SamplingParams:
 
     def __post_init__(self):
         for name in ("max_new_tokens", "top_k"):
-            value = getattr(self, name)
-            try:
-                if isinstance(value, bool):
-                    raise TypeError
-                object.__setattr__(self, name, operator.index(value))  # numpy integers too, as int
-            except TypeError:
-                raise ValueError(f"{name} must be an integer, got {value!r}") from None
+            object.__setattr__(self, name, arguments.integer(name, getattr(self, name)))  # numpy integers too, as int
+        if self.seed is not None:
+            object.__setattr__(self, "seed", arguments.integer("seed", self.seed))
+        if not isinstance(self.do_sample, bool):
+            raise ValueError(f"do_sample must be True or False, got {self.do_sample!r}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not math.isfinite(self.temperature) or (self.do_sample and self.temperature <= 0):
@@ -159,14 +156,7 @@ class Request:
     def __post_init__(self):
         # checked in the submitter's thread: a bad value found by the engine's thread would fail
         # every request of the step that met it
-        if not isinstance(self.tenant, str) or not self.tenant or self.tenant == PUBLIC_TENANT:
-            raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {self.tenant!r}")
-        try:
-            if isinstance(self.priority, bool):
-                raise TypeError
-            self.priority = operator.index(self.priority)
-        except TypeError:
-            raise ValueError(f"priority must be an integer, got {self.priority!r}") from None
+        self.tenant, self.priority = arguments.tenant(self.tenant), arguments.integer("priority", self.priority)
 
     def ask_to_stop(self, outcome: str) -> None:
         """A caller's wish to stop it: "cancelled", or "finished" when it has what it wants. The

@@ -35,6 +35,7 @@ import warnings
 from dataclasses import dataclass, field
 
 from ..allocator import BlockAllocator
+from ..arguments import integer
 from ..errors import PagedKVError
 from .prefix_index import PrefixIndex
 
@@ -237,6 +238,7 @@ class TurnPins:
     pinned when turn N + 1 begins, or when the cache is released after fewer turns."""
 
     def __init__(self, turns: int):
+        turns = integer("pin_turns", turns)
         if turns < 0:
             raise ValueError(f"pin_turns must be >= 0, got {turns}")
         self.turns = turns

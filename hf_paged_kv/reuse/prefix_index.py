@@ -21,9 +21,9 @@ from collections import Counter, OrderedDict
 import numpy as np
 
 from ..allocator import BlockAllocator
+from ..arguments import PUBLIC_TENANT
 from ..policy import BlockMeta, Policy
 
-PUBLIC_TENANT = "__public__"  # blocks every tenant may use, only by an explicit publish call
 MAX_GHOSTS = 4096
 
 

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..arguments import seconds
 from ..assets import package_file
 from .prefix_index import PUBLIC_TENANT
 
@@ -85,7 +86,7 @@ class SemanticIndex:
         self.tokenizer = tokenizer
         self.embedder_source = embedder
         self.threshold, self.max_candidates, self.max_entries = threshold, max_candidates, max_entries
-        self.ttl, self.clock = ttl, clock
+        self.ttl, self.clock = seconds("ttl", ttl), clock
         self.entries: list[Entry] = []
         self.counters = {"semantic_candidates": 0, "semantic_rejected": 0, "semantic_entries_embedded": 0}
         self.lock = threading.Lock()  # guards `entries` against `embed_pending` running outside the pool lock

@@ -1,0 +1,35 @@
+"""Checks of the values users pass, shared by every entry point that takes them: a bad value is
+refused where it is given, with its name, before it can reach the pool (a priority of "high"
+stored on cached blocks broke every later eviction of every request)."""
+
+from __future__ import annotations
+
+import math
+import operator
+
+PUBLIC_TENANT = "__public__"  # blocks every tenant may use, only by an explicit publish call
+
+
+def integer(name: str, value) -> int:
+    """`value` as an int (numpy integers too); ValueError naming `name` otherwise (bools too)."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+
+
+def tenant(value) -> str:
+    if not isinstance(value, str) or not value or value == PUBLIC_TENANT:
+        raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {value!r}")
+    return value
+
+
+def seconds(name: str, value) -> float | None:
+    """A duration such as a TTL: None (no limit) or a finite number > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0, or None, got {value!r}")
+    return float(value)
