@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import backends, history, prefill, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
-from .model_checks import REFUSED_KWARGS, check_config, probe
+from .model_checks import REFUSED_KWARGS, check_config, probe, rope_length_limit
 from .pool import KVPool
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
@@ -70,6 +70,7 @@ class EnabledState:
     layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
     checked: float  # when the fingerprint was last taken (monotonic seconds)
     wrapped_before: tuple  # the methods of `_WRAPPED` the model had as instance attributes before enable
+    rope_limit: int | None  # positions a forward may span with fixed RoPE frequencies (model_checks.rope_length_limit)
 
 
 def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
@@ -112,7 +113,7 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
     original, original_generate = model.forward, getattr(model, "generate", None)
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, original_generate,
                          config_digest, fingerprint, layout, time.monotonic(),
-                         tuple(name for name in _WRAPPED if name in vars(model)))
+                         tuple(name for name in _WRAPPED if name in vars(model)), rope_length_limit(model))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
     if original_generate is not None:  # a model without `generate` counts turns by forward width
@@ -235,6 +236,10 @@ def _paged_forward(model, original):
         # KV at other positions than generate's must not be shared: hashes say token ids only
         stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
         counted = prefill.positions_counted(cache.sequences, stored, kwargs.get("position_ids"))
+        # nor K/V that another forward of the same tokens would not compute: dropout in train mode,
+        # or RoPE frequencies chosen by this forward's length (model_checks.rope_length_limit)
+        if model.training or _rope_scaled(state.rope_limit, cache, kwargs.get("position_ids"), shape[1]):
+            counted[:] = False
         may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
         if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
             _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
@@ -258,6 +263,15 @@ def _paged_forward(model, original):
         return output
 
     return forward
+
+
+def _rope_scaled(limit: int | None, cache: PagedCache, position_ids, width: int) -> bool:
+    """Whether the forward spans `limit` positions or more, past which transformers picks
+    length-dependent RoPE frequencies by its largest position (None: the model's never change)."""
+    if limit is None:
+        return False
+    last = int(position_ids.max()) if position_ids is not None else cache.get_seq_length() + width - 1
+    return last + 1 >= limit
 
 
 def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: str, input_ids, attention_mask):

@@ -65,6 +65,24 @@ def check_config(model) -> None:
         )
 
 
+def rope_length_limit(model) -> int | None:
+    """How many positions a forward may span with fixed RoPE frequencies; None where they never
+    change. With "dynamic" NTK scaling or Phi-3's "longrope", transformers picks the frequencies
+    from the forward's largest position once it reaches the original context (for "dynamic",
+    also from earlier forwards), so a key computed in one forward differs from the same key
+    computed in another: such K/V must not be shared. Conservative where configs differ: the
+    smaller of the original and the model's context."""
+    config = model.config.get_text_config(decoder=True)
+    parameters = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = all(isinstance(value, dict) for value in parameters.values()) and parameters
+    context = getattr(config, "max_position_embeddings", None)
+    limits = [min(p for p in (kind.get("original_max_position_embeddings"),
+                              getattr(config, "original_max_position_embeddings", None), context) if p)
+              for kind in (parameters.values() if per_layer_type else [parameters])
+              if "dynamic" in kind.get("rope_type", "default") or kind.get("rope_type") == "longrope"]
+    return min(limits) if limits else None
+
+
 def probe(model) -> list[LayerSpec]:
     """Run one token through `model` (whose attention implementation is already hf_paged_kv's)
     and return one LayerSpec per layer, or UnsupportedModelError saying why not."""

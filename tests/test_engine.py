@@ -583,3 +583,22 @@ def test_a_request_memory_turns_away_is_looked_up_once_not_every_step():
     assert stats["blocks_pinned"] == 0
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
+
+
+def test_a_model_whose_rope_scales_with_length_is_served_within_its_original_context():
+    """One packed forward gives every request in it the RoPE frequencies of its longest
+    position: the engine serves such a model only where they stay fixed, and there exactly."""
+    from test_reuse import length_scaled_rope_model
+
+    model = length_scaled_rope_model("dynamic")
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 20, 9)]
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=8), max_batch_tokens=16) as engine:
+        handles = [engine.submit(p, max_new_tokens=8) for p in prompts]
+        assert [h.result(timeout=60) for h in handles] == [alone(model, p, new=8) for p in prompts]
+        with pytest.raises(ValueError, match="reach position 32, where this model's RoPE starts to scale"):
+            engine.submit(prompts[1], max_new_tokens=12)
+        model.train()
+        with pytest.raises(PagedKVError, match="train mode"):
+            engine.submit(prompts[0])
+        model.eval()
+    hf_paged_kv.disable(model)

@@ -345,3 +345,79 @@ def test_cold_batch_computes_a_shared_prefix_once(model):
     assert inherited == [64] * 5 + [0]
     assert widths.widths[1] == 20  # then only the columns some row still computes: the last row's 20 tokens
     assert_pool_clean(pool)
+
+
+# ------------------------------------------- K/V that another forward of the same tokens would not compute
+def length_scaled_rope_model(kind: str):
+    """A tiny model whose RoPE frequencies follow the forward's length past 32 positions:
+    Llama with "dynamic" NTK scaling, or Phi-3's "longrope" (Phi-3-mini-128k, Phi-3.5-mini)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, initializer_range=0.3, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    if kind == "dynamic":
+        config = LlamaConfig(max_position_embeddings=32, **common,
+                             rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+        model = LlamaForCausalLM(config)
+    else:
+        config = Phi3Config(max_position_embeddings=128, original_max_position_embeddings=32, **common,
+                            rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                             "original_max_position_embeddings": 32, "short_factor": [1.0] * 8,
+                                             "long_factor": [1.0, 2, 4, 8, 16, 32, 64, 64]})
+        model = Phi3ForCausalLM(config)
+    model.eval().generation_config.pad_token_id = PAD
+    return model
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_rope_scaled_by_the_forward_length_is_never_shared(kind):
+    """Past the original context, transformers picks these models' RoPE frequencies by the
+    forward's largest position: a prefix computed in a long forward, or in the short forward that
+    computes a batch's shared prefix first, is not the prefix a forward of another length computes.
+    Such forwards share nothing; within the original context reuse works as for any model."""
+    model = length_scaled_rope_model(kind)
+    gen = torch.Generator().manual_seed(1)
+    prefix = torch.randint(3, VOCAB, (1, 16), generator=gen)
+    long_batch = torch.cat([prefix.repeat(2, 1), torch.randint(3, VOCAB, (2, 30), generator=gen)], 1)
+    short = torch.cat([prefix, torch.randint(3, VOCAB, (1, 4), generator=gen)], 1)
+    expected = {name: greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=6)
+                for name, ids in (("long", long_batch), ("short", short))}
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=8))
+    assert hf_paged_kv.integration.state_of(model).rope_limit == 32
+    with PagedCache() as cache:  # a cold batch sharing a prefix, past the original context
+        got = greedy(model, cache, long_batch, torch.ones_like(long_batch), new_tokens=6)
+        assert cache.inherited == [0, 0]
+    torch.testing.assert_close(got, expected["long"], rtol=0, atol=0)
+    with PagedCache() as cache:  # the long forward's blocks were not offered to a short one
+        got = greedy(model, cache, short, torch.ones_like(short), new_tokens=6)
+        assert cache.inherited == [0]
+    torch.testing.assert_close(got, expected["short"], rtol=0, atol=0)
+    with PagedCache() as cache:  # within the original context, the short prompt's own blocks are reused
+        got = greedy(model, cache, short, torch.ones_like(short), new_tokens=6)
+        assert cache.inherited == [16]
+    torch.testing.assert_close(got, expected["short"], rtol=0, atol=0)
+    hf_paged_kv.disable(model)
+    assert_pool_clean(pool)
+
+
+def test_a_forward_in_train_mode_shares_nothing():
+    """With dropout on (OPT's hidden dropout; attention dropout stays refused), K/V are random:
+    indexed, they changed later eval-mode requests' tokens."""
+    from tiny_models import build
+
+    model = build("opt")
+    assert model.config.dropout > 0
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    expected = greedy(model.eval(), DynamicCache(), ids, torch.ones_like(ids), new_tokens=6)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=8))
+    model.train()
+    with PagedCache() as cache:
+        greedy(model, cache, ids, torch.ones_like(ids), new_tokens=6)
+    model.eval()
+    with PagedCache() as cache:
+        got = greedy(model, cache, ids, torch.ones_like(ids), new_tokens=6)
+        assert cache.inherited == [0]
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    hf_paged_kv.disable(model)
+    assert_pool_clean(pool)

@@ -125,10 +125,18 @@ class Engine:
         Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
         if not self.accepting:
             raise PagedKVError("the engine is not running: call start() or use it as a context manager")
+        if self.model.training:  # dropout would make its KV, shared with later requests, random
+            raise PagedKVError("the model is in train mode: call model.eval() before serving it")
         vocabulary = self.model.get_input_embeddings().num_embeddings
         ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
+        limit = state_of(self.model).rope_limit
+        if limit is not None and len(ids) + params.max_new_tokens >= limit:
+            raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} reach position "
+                             f"{limit}, where this model's RoPE starts to scale with the forward's length: one packed "
+                             f"forward of many requests cannot give each its own. The engine serves up to {limit - 1} "
+                             "tokens per request on it; generate with a PagedCache runs longer ones exactly")
         request = Request(ids, params, tenant=tenant, priority=priority)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:
