@@ -71,8 +71,7 @@ class KVPool:
         self.layers: list[LayerSpec] = []
         self.key_cache, self.value_cache = [], []  # per layer: [num_blocks, block_size, kv_heads, head_dim]
         self.num_blocks = 0
-        # created by bind: BlockAllocator, ReuseManager, TierChain
-        self.allocator = self.reuse = self.tiers = None
+        self.allocator = self.reuse = self.tiers = None  # BlockAllocator, ReuseManager, TierChain: made by bind
         self._lock = threading.RLock()
         self._deferred: collections.deque = collections.deque()  # work queued by finalizers
 
@@ -108,10 +107,11 @@ class KVPool:
     def bytes_per_block(self) -> int:
         return sizing.block_bytes(self.layers, self.block_size, self.dtype) if self.is_bound else 0
 
-    # ------------------------------------------------------------------ locking
     @contextmanager
     def locked(self):
         """Hold the pool's lock (reentrant). Work queued by finalizers runs first."""
+        if self.allocator is None:  # every operation on blocks takes the lock: none before enable
+            raise PagedKVError("this KVPool has no blocks yet: hf_paged_kv.enable(model, pool=pool) binds it")
         with self._lock:
             while self._deferred:
                 self._deferred.popleft()()

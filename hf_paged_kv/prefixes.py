@@ -9,6 +9,7 @@ persist it to the disk tier. Each computes the prefix (or finds it cached) first
 
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 
 import numpy as np
@@ -99,12 +100,21 @@ def _token_ids(prefix, tokenizer) -> list[int]:
 @contextmanager
 def _prefix_blocks(model, prefix, tokenizer, cache: PagedCache):
     """Run `prefix` (token ids, or text with its tokenizer) through `cache` on the enabled
-    `model` and yield the prefix's full blocks, held by the cache until the block exits."""
-    block_size = pool_of(model).block_size
+    `model` and yield the prefix's full blocks, held by the cache until the block exits. Raises
+    PagedKVError when they were not all indexed: K/V no other forward would compute is never
+    shared (a model in train mode; RoPE that scales with the forward's length past its limit)."""
+    pool = pool_of(model)
     ids = torch.tensor([_token_ids(prefix, tokenizer)], dtype=torch.long, device=model.device)
     if ids.shape[1] == 0:
         raise ValueError("the prefix is empty")
     with cache:
         with torch.inference_mode():
             model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
-        yield cache.block_tables()[0][: ids.shape[1] // block_size]
+        blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
+        with pool.locked():
+            shareable = sum(1 for _ in itertools.takewhile(pool.reuse.index.is_cached, blocks))
+        if shareable < len(blocks):
+            raise PagedKVError(f"only {shareable} of the prefix's {len(blocks)} full blocks can be shared: the model is "
+                               "in train mode, or the prefix reaches the position where its RoPE starts to scale with "
+                               "the forward's length (see the README's Limitations)")
+        yield blocks

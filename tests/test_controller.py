@@ -365,7 +365,11 @@ def test_retry_after_counts_only_the_requests_that_stay_ahead():
         engine.scheduler.enqueue(request)
     with pytest.raises(Overloaded) as info:
         engine.submit([5, 6, 7], max_new_tokens=2)  # refused behind late ones that are about to leave
-    assert info.value.retry_after == 0.1
+    assert info.value.retry_after == 0.1  # no decision yet
+    controller.last_tick = time.monotonic()  # a decision just now: the next one turns the late ones away
+    with pytest.raises(Overloaded) as info:
+        engine.submit([5, 6, 7], max_new_tokens=2)
+    assert info.value.retry_after == pytest.approx(controller.limits.tick, abs=0.05)
     engine.admission.costs.record(100, 1.0)  # 100 tokens/s, and nothing admitted lately
     kept = Request([8, 9, 10, 11], SamplingParams(max_new_tokens=16), priority=1, arrived=past)
     engine.scheduler.enqueue(kept)

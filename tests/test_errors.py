@@ -215,3 +215,11 @@ def test_a_cache_given_another_pool_says_so(llama):
 
 def test_the_configuration_classes_are_at_the_top_level():
     from hf_paged_kv import SLO, Limits, RequestFailed, Thresholds  # noqa: F401 - the README imports them so
+
+
+def test_a_pool_before_enable_says_it_has_no_blocks_yet():
+    pool = KVPool(num_blocks=8)
+    assert pool.stats() == {"block_size": 16, "num_blocks": 0} and "unbound" in repr(pool)
+    for call in (pool.audit, lambda: pool.clear_tenant("a"), lambda: pool.make_free(1), pool.num_available):
+        with pytest.raises(PagedKVError, match="no blocks yet: hf_paged_kv.enable"):
+            call()

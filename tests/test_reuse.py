@@ -397,6 +397,9 @@ def test_rope_scaled_by_the_forward_length_is_never_shared(kind):
         got = greedy(model, cache, short, torch.ones_like(short), new_tokens=6)
         assert cache.inherited == [16]
     torch.testing.assert_close(got, expected["short"], rtol=0, atol=0)
+    with pytest.raises(hf_paged_kv.PagedKVError, match="only 0 of the prefix's 5 full blocks can be shared"):
+        hf_paged_kv.pin(model, long_batch[0])  # 46 tokens: past position 32
+    assert hf_paged_kv.publish(model, short[0]) == 16  # within it, as for any model
     hf_paged_kv.disable(model)
     assert_pool_clean(pool)
 

@@ -76,10 +76,14 @@ class LoadControl:
         """An honest wait before a retry is accepted: the time `ahead` waiting requests take to be
         admitted (those that must leave the queue first) at the recent admission rate; with no
         admission lately, the work of the first `ahead` in the queue (other than `besides`, the
-        request refused) over the recent throughput (5 s with no steps yet). At least 0.1 s,
-        which is also the answer when nothing is ahead."""
+        request refused) over the recent throughput (5 s with no steps yet). At least 0.1 s;
+        with nothing ahead, the time to the controller's next decision, which turns away the late
+        requests of shed priorities that refused it (a retry before it is refused again)."""
         if ahead <= 0:
-            return 0.1
+            controller = self.controller
+            if controller is None or controller.last_tick is None:
+                return 0.1
+            return max(0.1, controller.last_tick + controller.limits.tick - time.monotonic())
         rate = self.admission_rate()
         if rate > 0:
             return max(0.1, ahead / rate)
