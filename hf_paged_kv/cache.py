@@ -247,7 +247,8 @@ class PagedCache(Cache):
         except BaseException:
             self._forward = None  # planning changed nothing
             raise
-        self.inherited = self._forward.inherited.tolist() if fresh else self.inherited
+        if fresh:
+            self.inherited = self._forward.inherited.tolist()
         return plan
 
     def finish_forward(self) -> None:
@@ -283,9 +284,8 @@ class PagedCache(Cache):
 
     def _bind(self, pool: KVPool, model: str) -> None:
         if self._pool not in (None, pool):
-            raise PagedKVError("this PagedCache holds blocks of another model's pool; use a fresh PagedCache per model"
-                               if self.sequences else "this PagedCache was given another pool than the model's: a "
-                               "model's forwards use its own pool (hf_paged_kv.pool_of(model))")
+            raise PagedKVError("this PagedCache belongs to another pool than the model's (it was used with another "
+                               "model, or given another pool): use a fresh PagedCache per model")
         self._pool = pool
         # other weights than the ones that computed this cache's KV: keep computing, never share it
         self._model = model if not self.sequences or self._model == model else None
@@ -303,5 +303,5 @@ class PagedCache(Cache):
         return [list(s.tokens) for s in self.sequences]
 
     def __repr__(self) -> str:
-        state = "released" if self._released else f"rows={len(self.sequences)}, seq_len={self.get_seq_length()}"
-        return f"PagedCache({state}, blocks={sum(len(s.blocks) for s in self.sequences)})"
+        rows = f"rows={len(self.sequences)}, seq_len={len(self.sequences[0].history) if self.sequences else 0}"
+        return f"PagedCache({'released' if self._released else rows}, blocks={sum(len(s.blocks) for s in self.sequences)})"

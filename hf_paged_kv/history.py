@@ -8,11 +8,13 @@ K/V instead (`hide`): what stays is exactly what DynamicCache still attends to, 
 the positions they were computed at, and the row's later tokens continue at the positions the
 caller gives them. The rewritten tail is never shared (its tokens attended to the hidden ones,
 which no block hash says). A pad that a later mask unmasks was never stored: refused. And a
-`generate` call whose ids do not begin with the conversation the cache holds is refused
-(`check_continues`).
+`generate` call whose ids do not begin with the conversation the cache holds is warned about,
+or refused where they are shorter (`check_continues`).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 import torch
@@ -22,12 +24,15 @@ from .pool import KVPool
 from .sequence import Sequence
 
 
-def check_continues(sequences: list[Sequence], input_ids) -> None:
-    """Refuse a `generate` call on a continued cache whose `input_ids` do not begin with what the
-    cache holds: transformers feeds only the ids past the cache's length, so a turn that does not
-    continue the stored conversation (or an input shorter than it) would attend to other tokens'
-    K/V without a word (DynamicCache does; this cache knows its tokens). Stored positions whose
-    ids are unknown (-1) are not compared; a changed batch size is left to `begin_forward`."""
+def check_continues(sequences: list[Sequence], input_ids, attention_mask) -> None:
+    """Check a `generate` call on a continued cache: transformers feeds only the ids past the
+    cache's length. Fewer positions than the cache holds is refused (nothing new to feed, or a
+    reshape error). Ids that differ from the stored tokens where the call's mask attends are
+    warned about: the cache's K/V stay those of the stored tokens, as with DynamicCache, which
+    transformers' own prompt-reuse recipe relies on (a prefix tokenized alone may end in other
+    tokens than within the whole prompt), but they are also what another conversation, or an
+    interrupted call's leftover token, looks like. Stored positions whose ids are unknown (-1)
+    are not compared; a changed batch size is left to `begin_forward`."""
     if not sequences or not torch.is_tensor(input_ids) or input_ids.dim() != 2 or len(input_ids) != len(sequences):
         return
     logical = sequences[0].logical_length
@@ -35,18 +40,21 @@ def check_continues(sequences: list[Sequence], input_ids) -> None:
         raise PagedKVError(f"input_ids hold {input_ids.shape[1]} positions, fewer than the {logical} this PagedCache "
                            "holds: pass the whole conversation so far and then the new tokens, or a fresh PagedCache")
     given = input_ids[:, :logical].detach().cpu().numpy()
+    attended = (np.ones_like(given, dtype=bool) if attention_mask is None or attention_mask.shape != input_ids.shape
+                else attention_mask[:, :logical].detach().cpu().numpy().astype(bool))
     for row, sequence in enumerate(sequences):
         positions = np.flatnonzero(np.frombuffer(bytes(sequence.history), dtype=np.uint8))
         stored = np.asarray(sequence.tokens, dtype=np.int64)
-        differ = np.flatnonzero((stored >= 0) & (given[row, positions] != stored))
+        differ = np.flatnonzero((stored >= 0) & attended[row, positions] & (given[row, positions] != stored))
         if len(differ):
             at = int(differ[0])
-            raise PagedKVError(
-                f"input_ids row {row} has token {int(given[row, positions[at]])} at position {int(positions[at])}, "
-                f"where this PagedCache holds token {int(stored[at])}: a generate call on a continued cache must "
-                "begin with the conversation it holds. Pass that conversation and then the new tokens, use a fresh "
-                "PagedCache, or crop the cache first (cache.crop(n) keeps n positions; an interrupted generate "
-                "leaves the tokens of the forwards it finished)")
+            warnings.warn(
+                f"input_ids row {row} has token {int(given[row, positions[at]])} at position {int(positions[at])}, where "
+                f"this PagedCache holds token {int(stored[at])}: generate attends to the held token's K/V there, as "
+                "with DynamicCache. If that is not meant, pass the conversation the cache holds, a fresh PagedCache, "
+                "or crop the cache first (an interrupted generate leaves the tokens of the forwards it finished)",
+                UserWarning, stacklevel=4)
+            return
 
 
 def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask, width: int) -> None:

@@ -183,7 +183,7 @@ def _turn_marking_generate(model, original):
         cache = kwargs.get("past_key_values")
         if isinstance(cache, PagedCache) and cache.is_initialized and cache.pool is state_of(model).pool:
             ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-            history.check_continues(cache.sequences, ids)
+            history.check_continues(cache.sequences, ids, kwargs.get("attention_mask"))
         token = _CALL.set(_GenerateCall(model, cache) if isinstance(cache, PagedCache) else None)
         try:
             return original(*args, **kwargs)

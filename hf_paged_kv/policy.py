@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Iterable, Mapping
 
+from .arguments import seconds
+
 MAX_PRIORITY = 8
 
 
@@ -71,11 +73,10 @@ class Policy:
     """
 
     def __init__(self, half_life: float = 600.0, ttl: float | None = None, clock: Callable[[], float] = time.monotonic):
-        if half_life <= 0:
-            raise ValueError(f"half_life must be > 0 seconds, got {half_life}")
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be > 0 seconds, got {ttl}")
-        self.half_life, self.ttl, self.clock = half_life, ttl, clock
+        if half_life is None:
+            raise ValueError("half_life must be a finite number of seconds > 0, got None")
+        self.half_life, self.ttl = seconds("half_life", half_life), seconds("ttl", ttl)
+        self.clock = clock
 
     def now(self) -> float:
         return self.clock()

@@ -61,8 +61,8 @@ class KVPool:
                  half_life: float = 600.0, semantic=None, pin_budget: float = 0.25, hot_threshold: float | None = 8.0,
                  host_blocks: int | None = None, disk_dir=None, disk_bytes: int = 1 << 30):
         self.options = dict(num_blocks=num_blocks, max_bytes=max_bytes, memory_fraction=memory_fraction,
-                            pin_budget=pin_budget, hot_threshold=hot_threshold, host_blocks=host_blocks,
-                            disk_dir=disk_dir, disk_bytes=disk_bytes)
+                            pin_budget=pin_budget, hot_threshold=hot_threshold, half_life=half_life,
+                            host_blocks=host_blocks, disk_dir=disk_dir, disk_bytes=disk_bytes)
         sizing.check_options(block_size, self.options)
         check_settings(pin_budget, hot_threshold)
         self.block_size, self.dtype = block_size, dtype

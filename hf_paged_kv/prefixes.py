@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from . import arguments
+from .arguments import PUBLIC_TENANT
 from .cache import PagedCache
 from .errors import PagedKVError
-from .integration import current_fingerprint, pool_of
+from .integration import current_fingerprint, pool_of, state_of
 from .reuse.pins import Pin
-from .reuse.prefix_index import PUBLIC_TENANT
 
 
 def publish(model, prefix, tokenizer=None) -> int:
@@ -108,13 +108,17 @@ def _prefix_blocks(model, prefix, tokenizer, cache: PagedCache):
     if ids.shape[1] == 0:
         raise ValueError("the prefix is empty")
     with cache:
-        with torch.inference_mode():
-            model(input_ids=ids, past_key_values=cache, logits_to_keep=1)
+        with torch.inference_mode():  # positions given: the forward may skip (inherit) what is cached already
+            model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None], past_key_values=cache,
+                  logits_to_keep=1)
         blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
         with pool.locked():
             shareable = sum(1 for _ in itertools.takewhile(pool.reuse.index.is_cached, blocks))
         if shareable < len(blocks):
-            raise PagedKVError(f"only {shareable} of the prefix's {len(blocks)} full blocks can be shared: the model is "
-                               "in train mode, or the prefix reaches the position where its RoPE starts to scale with "
-                               "the forward's length (see the README's Limitations)")
+            limit = state_of(model).rope_limit
+            why = ("the model is in train mode" if model.training else
+                   f"the prefix reaches position {limit}, where this model's RoPE starts to scale with the forward's "
+                   "length" if limit is not None and ids.shape[1] >= limit else "they could not be indexed")
+            raise PagedKVError(f"only {shareable} of the prefix's {len(blocks)} full blocks can be shared: {why} "
+                               "(see the README's Limitations)")
         yield blocks

@@ -561,25 +561,38 @@ def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
 
 
 def test_a_value_set_from_outside_becomes_the_configured_one():
-    """An operator's change to a knob while the engine runs is not overwritten: it becomes the
+    """An operator's change to an engine's knob while it runs is not overwritten: it becomes the
     knob's configured value, pressure only tightens from it, and normal returns to it."""
     model = make_model("llama", seed=1)
-    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8, pin_budget=0.25),
-                    thresholds=Thresholds(dwell=0.0, tick=0.0))
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals, limits = engine.load.controller, engine.load.signals, engine.limits
     now = time.monotonic() + 1.0
     signals.sample_levels(CALM, now)
     controller.tick(signals, now)
     limits.watermark, limits.max_batch_tokens = 0.2, 128
-    with engine.pool.locked():
-        engine.pool.reuse.pins.set_budget(0.5)
     now = into_pressure(controller, signals, now)
-    assert controller.state == "pressure"
-    assert limits.watermark == 0.2 and engine.pool.reuse.pins.budget == 0.25  # tightened from the new values
+    assert controller.state == "pressure" and limits.watermark == 0.2  # tightened from the new value
     assert controller.knobs["max_batch_tokens"].configured == 128 and controller.knobs["max_batch_tokens"].high == 256
-    now = calm_down(controller, signals, now)
-    assert controller.state == "normal" and limits.watermark == 0.2 and engine.pool.reuse.pins.budget == 0.5
-    assert limits.max_batch_tokens == 128
+    calm_down(controller, signals, now)
+    assert controller.state == "normal" and limits.watermark == 0.2 and limits.max_batch_tokens == 128
+    hf_paged_kv.disable(model)
+
+
+def test_two_engines_on_one_pool_do_not_tighten_each_others_pool_knobs():
+    """The pool's knobs are configured by the KVPool's arguments: an engine whose controller
+    reads another's tightened pin budget or half-life as configured would halve it again."""
+    model = make_model("llama", seed=1)
+    pool = KVPool(num_blocks=64, block_size=8, pin_budget=0.25, half_life=600.0)
+    engines = [Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0)) for _ in range(2)]
+    now = time.monotonic()
+    for _ in range(3):
+        for engine in engines:
+            now = into_pressure(engine.load.controller, engine.load.signals, now)
+    assert pool.reuse.pins.budget == 0.125 and pool.policy.half_life == 150.0
+    for engine in engines:
+        engine.start()
+        engine.stop()
+    assert pool.reuse.pins.budget == 0.25 and pool.policy.half_life == 600.0
     hf_paged_kv.disable(model)
 
 

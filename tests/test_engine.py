@@ -5,6 +5,7 @@ sampling, streaming, load shedding and shared prefixes."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import logging
 import threading
 import time
@@ -593,10 +594,16 @@ def test_a_model_whose_rope_scales_with_length_is_served_within_its_original_con
     model = length_scaled_rope_model("dynamic")
     prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (12, 20, 9)]
     with Engine(model, pool=KVPool(num_blocks=32, block_size=8), max_batch_tokens=16) as engine:
-        handles = [engine.submit(p, max_new_tokens=8) for p in prompts]
-        assert [h.result(timeout=60) for h in handles] == [alone(model, p, new=8) for p in prompts]
-        with pytest.raises(ValueError, match="reach position 32, where this model's RoPE starts to scale"):
-            engine.submit(prompts[1], max_new_tokens=12)
+        handles = [engine.submit(p, max_new_tokens=8) for p in prompts] + [engine.submit(prompts[1], max_new_tokens=12)]
+        expected = [alone(model, p, new=8) for p in prompts] + [alone(model, prompts[1], new=12)]  # 32: on the limit
+        assert [h.result(timeout=60) for h in handles] == expected
+        with pytest.raises(ValueError, match="max_new_tokens=13 pass 32, where this model's RoPE starts to scale"):
+            engine.submit(prompts[1], max_new_tokens=13)
+        assert engine.max_request_tokens == 32
+        if importlib.util.find_spec("fastapi") is not None:  # the server's default max_tokens fills no more
+            from hf_paged_kv.engine.server import OpenAIServer
+
+            assert OpenAIServer(engine, "tiny").context == 32
         model.train()
         with pytest.raises(PagedKVError, match="train mode"):
             engine.submit(prompts[0])

@@ -74,7 +74,7 @@ def test_cache_cannot_move_between_models(llama):
     ids, mask = random_batch(1, 10)
     with PagedCache() as cache:
         greedy(llama, cache, ids, mask)
-        with pytest.raises(PagedKVError, match="another model's pool"):
+        with pytest.raises(PagedKVError, match="belongs to another pool than the model's"):
             greedy(other, cache, ids, mask)
     hf_paged_kv.disable(other)
 
@@ -115,6 +115,8 @@ def test_unsupported_models_are_refused_at_enable():
         (dict(max_bytes=-5), "max_bytes must be >= 1"),
         (dict(memory_fraction=1.5), r"memory_fraction must be in \(0, 1\]"),
         (dict(num_blocks=4, max_bytes=100), "at most one of"),
+        (dict(ttl=float("nan")), "ttl must be a finite number of seconds > 0"),
+        (dict(half_life=0), "half_life must be a finite number of seconds > 0"),
     ],
 )
 def test_bad_pool_arguments(kwargs, message):
@@ -209,7 +211,7 @@ def test_the_triton_backend_is_refused_for_layers_off_cuda(llama, monkeypatch):
 
 def test_a_cache_given_another_pool_says_so(llama):
     hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
-    with pytest.raises(PagedKVError, match="given another pool than the model's"):
+    with pytest.raises(PagedKVError, match="belongs to another pool than the model's"):
         llama(*random_batch(1, 5), past_key_values=PagedCache(pool=KVPool(num_blocks=8)))
 
 

@@ -92,7 +92,7 @@ def test_engine_frees_workers_at_start_and_when_idle():
         started = settled(holding - WORKERS + 1)
         assert started == holding - WORKERS + 1  # this thread's workers freed; the engine's thread
         prompt = torch.randint(3, 4096, (200,), generator=torch.Generator().manual_seed(0)).tolist()
-        assert len(engine.submit(prompt, max_new_tokens=4, eos_token_id=[-1]).result(timeout=60)) == 4
+        assert len(engine.submit(prompt, max_new_tokens=4, eos_token_id=[]).result(timeout=60)) == 4
         assert settled(started, timeout=5.0) == started  # idle again: its own workers freed
     finally:
         engine.stop()

@@ -317,3 +317,21 @@ def test_a_pin_that_gave_way_does_not_come_back_after_its_tenant_is_cleared(mode
     with pool.locked():
         pool.reuse.pins.set_budget(0.25)
     assert pool.stats()["pins"] == []
+
+
+def test_a_tenant_pins_its_prefix_over_a_published_one(model):
+    """The pinning forward inherits what is cached (the public system prompt, the tenant's own
+    continuation): it pins the blocks later requests find, where it once recomputed duplicates
+    that no lookup reaches (or, refusing unindexed blocks, raised)."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK))
+    system, own = tokens(2 * BLOCK, 60), tokens(2 * BLOCK, 61)
+    hf_paged_kv.publish(model, system)
+    prompt = torch.cat([system, own, tokens(1, 62)])[None]
+    with PagedCache(tenant="acme") as cache:
+        greedy(model, cache, prompt, torch.ones_like(prompt), new_tokens=1)
+    pin = hf_paged_kv.pin(model, torch.cat([system, own]), tenant="acme")
+    with PagedCache(tenant="acme") as cache:
+        greedy(model, cache, prompt, torch.ones_like(prompt), new_tokens=1)
+        assert cache.inherited == [4 * BLOCK] and cache.block_tables()[0][:4] == pin.blocks
+    hf_paged_kv.unpin(model, pin)
+    assert_pool_clean(pool)

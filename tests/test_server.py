@@ -526,7 +526,7 @@ class ScriptedEngine:
         embeddings = SimpleNamespace(num_embeddings=VOCAB)
         self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256),
                                      get_input_embeddings=lambda: embeddings)
-        self.thread, self.accepting, self.next = None, False, None
+        self.thread, self.accepting, self.next, self.max_request_tokens = None, False, None, None
 
     def start(self):
         self.thread, self.accepting = SimpleNamespace(is_alive=lambda: True), True

@@ -22,12 +22,14 @@ Independently of the state, the batch token budget shrinks when the per-token la
 finished requests (p95 of each one's mean time between tokens, as its target counts it) breaks
 the target, once per new evidence; once the slow requests behind a shrink have left the window
 it grows while there is a queue and both per-token latency and time to first token have
-headroom, comes back toward its configured value under a queue when only one of them has, and
-returns to it with no queue. Every knob is bounded, every change is logged and counted
+headroom; under a queue it comes back up to its configured value once per-token latency has
+headroom again, and down to it once first tokens use most of their target; with no queue it
+returns to it. Every knob is bounded, every change is logged and counted
 (`controller_actions_total{knob=...}`), and the current values are in `engine.stats()` and the
 metrics. A value set from outside while the engine runs (`engine.limits.watermark = ...`)
-becomes that knob's configured value; when the engine stops, every knob returns to its
-configured value (the pool's knobs serve `generate` and later engines too).
+becomes that knob's configured value; the pool's knobs keep the KVPool's arguments. When the
+engine stops, every knob returns to its configured value (the pool's knobs serve `generate`
+and later engines too).
 
 With the controller, the engine also admits by the time-to-first-token target
 (`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
@@ -84,13 +86,15 @@ class Thresholds:
     long_window: float = 60.0  # seconds the long averages cover
 
     def __post_init__(self):
-        wrong = [f"{name}={getattr(self, name)} (must be > 0)" for name in ("overload_wait", "short_window", "long_window")
-                 if not getattr(self, name) > 0]
-        wrong += [f"{name}={getattr(self, name)} (must be >= 0)" for name in ("dwell", "tick") if not getattr(self, name) >= 0]
+        positive = ("overload_wait", "short_window", "long_window")
+        wrong = [f"{name}={getattr(self, name)} (must be > 0)" for name in positive if not getattr(self, name) > 0]
+        wrong += [f"{name}={getattr(self, name)} (must be >= 0)" for name in ("dwell", "tick")
+                  if not getattr(self, name) >= 0]
         if not 0 <= self.kv_low <= self.kv_high <= 1:
             wrong.append(f"0 <= kv_low ({self.kv_low}) <= kv_high ({self.kv_high}) <= 1 does not hold")
         if not 0 <= self.recover_wait < self.overload_wait:
-            wrong.append(f"recover_wait ({self.recover_wait}) must be >= 0 and below overload_wait ({self.overload_wait})")
+            wrong.append(f"recover_wait ({self.recover_wait}) must be >= 0 and below overload_wait "
+                         f"({self.overload_wait})")
         if self.short_window > self.long_window:
             wrong.append(f"short_window ({self.short_window}) is longer than long_window ({self.long_window})")
         if wrong:
@@ -302,17 +306,20 @@ class Controller:
 def engine_knobs(engine) -> list[Knob]:
     """The actuators of an engine and its pool. Each starts at its configured value and returns to
     it in the normal state; pressure and overload only tighten (a watermark configured above
-    pressure's keeps its own), and every bound includes the configured value. Each reads its
-    live value, so a change made from outside (`engine.limits`, `pins.set_budget`, ...) becomes
-    the configured value."""
+    pressure's keeps its own), and every bound includes the configured value. The engine's own
+    knobs (`engine.limits`) read their live value, so a change made from outside becomes the
+    configured value; the pool's (pin budget, hot threshold, half-life) are configured by the
+    KVPool's arguments, which every engine on the pool reads alike: a value another engine's
+    controller set is never taken for a configured one (two engines would tighten each other's)."""
     limits, pool = engine.limits, engine.pool
-    pins, policy = pool.reuse.pins, pool.policy
+    pins, policy, options = pool.reuse.pins, pool.policy, pool.options
 
-    def knob(name, owner, attribute, derive, cast=float, apply=None):
-        configured = getattr(owner, attribute)
+    def knob(name, owner, attribute, derive, cast=float, configured=None, apply=None):
+        live = configured is None  # an engine's knob follows changes; a pool's keeps its arguments
+        configured = getattr(owner, attribute) if live else configured
         targets, low, high = derive(configured)
         return Knob(name, configured, targets, low, high, apply or (lambda v: setattr(owner, attribute, cast(v))),
-                    lambda: getattr(owner, attribute), derive)
+                    (lambda: getattr(owner, attribute)) if live else None, derive)
 
     def tightening(pressure, overload, high):
         return lambda c: ({"normal": c, "pressure": max(c, pressure), "overload": max(c, overload)}, 0.0, max(high, c))
@@ -329,13 +336,14 @@ def engine_knobs(engine) -> list[Knob]:
         knob("growth_reserve", limits, "growth_ratio_min", tightening(0.3, 0.5, 1.0)),
         knob("max_batch_tokens", limits, "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * 2), int),
         knob("pin_budget", pins, "budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0),
-             apply=set_pin_budget),
-        knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0)),
+             configured=options["pin_budget"], apply=set_pin_budget),
+        knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0), configured=options["half_life"]),
         knob("prefetch_depth", limits, "prefetch_depth",
              lambda c: ({"normal": c, "pressure": 0, "overload": 0}, 0, max(16, c)), int),
     ]
-    if pins.hot_threshold is not None:
-        knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8)))
+    if options["hot_threshold"] is not None:
+        knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8),
+                          configured=options["hot_threshold"]))
     if pool.tiers.host is not None:
         knobs.append(knob("demote_ahead", limits, "demote_ahead", tightening(0.10, 0.15, 0.5)))
     return knobs

@@ -83,6 +83,9 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
+        # prompt + max_new_tokens a request may have (None: the model's context): its forwards then
+        # feed positions below the RoPE limit (model_checks.rope_length_limit)
+        self.max_request_tokens = state_of(model).rope_limit
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
@@ -131,12 +134,12 @@ class Engine:
         ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
-        limit = state_of(self.model).rope_limit
-        if limit is not None and len(ids) + params.max_new_tokens >= limit:
-            raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} reach position "
-                             f"{limit}, where this model's RoPE starts to scale with the forward's length: one packed "
-                             f"forward of many requests cannot give each its own. The engine serves up to {limit - 1} "
-                             "tokens per request on it; generate with a PagedCache runs longer ones exactly")
+        limit = self.max_request_tokens
+        if limit is not None and len(ids) + params.max_new_tokens > limit:  # the last token is never fed
+            raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} pass {limit}, where "
+                             "this model's RoPE starts to scale with the forward's length: one packed forward of many "
+                             f"requests cannot give each its own. The engine serves up to {limit} tokens per request "
+                             "on it; generate with a PagedCache runs longer ones exactly")
         request = Request(ids, params, tenant=tenant, priority=priority)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:

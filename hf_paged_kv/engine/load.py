@@ -87,11 +87,11 @@ class LoadControl:
         rate = self.admission_rate()
         if rate > 0:
             return max(0.1, ahead / rate)
-        queued = [*self.engine.scheduler.waiting, *self.engine.incoming.queue.copy()]  # the loop may not have taken them in
-        first = [r for r in queued if r is not besides][:ahead]
-        queued = sum(r.remaining + r.params.max_new_tokens for r in first)
+        waiting = [*self.engine.scheduler.waiting, *self.engine.incoming.queue.copy()]  # the loop may not have taken them in
+        first = [r for r in waiting if r is not besides][:ahead]
+        work = sum(r.remaining + r.params.max_new_tokens for r in first)
         throughput = self.engine.admission.costs.throughput()
-        return max(0.1, queued / throughput) if throughput > 0 else 5.0
+        return max(0.1, work / throughput) if throughput > 0 else 5.0
 
     def refuses(self, priority: int) -> bool:
         """Whether a request of `priority` is refused now: its priority is shed, and it would
@@ -152,7 +152,8 @@ class LoadControl:
             "host_usage": stats.get("host_blocks_used", 0) / max(stats.get("host_blocks", 1), 1),
             "pinned_share": stats["blocks_pinned"] / total,
         } | {f"hit_rate_{tier}": rate for tier, rate in self._hit_rates(stats).items()}, now)
-        if engine.limits.demote_ahead and now - self.demoted >= self.every:  # with or without the controller
+        # with or without the controller; without a host tier it would only drop cached prefixes
+        if engine.limits.demote_ahead and engine.pool.tiers.host is not None and now - self.demoted >= self.every:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
             self.demoted = now
         # the levels shedding steps through: those of requests it could turn away (a preempted

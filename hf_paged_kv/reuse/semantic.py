@@ -41,9 +41,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..arguments import seconds
+from ..arguments import PUBLIC_TENANT, seconds
 from ..assets import package_file
-from .prefix_index import PUBLIC_TENANT
 
 
 def default_model_path() -> Path:
