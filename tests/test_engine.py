@@ -609,3 +609,17 @@ def test_a_model_whose_rope_scales_with_length_is_served_within_its_original_con
             engine.submit(prompts[0])
         model.eval()
     hf_paged_kv.disable(model)
+
+
+def test_a_request_that_fills_the_pool_exactly_is_served():
+    """The token that reaches max_new_tokens is never fed back: a 48-token prompt with one new
+    token needs 48 tokens of KV, which 12 blocks of 4 hold; it was refused as needing 49."""
+    model = make_model("llama", seed=4)
+    prompt = torch.randint(3, VOCAB, (48,), generator=torch.Generator().manual_seed(7)).tolist()
+    pool = KVPool(num_blocks=12, block_size=4)
+    with Engine(model, pool=pool, max_batch_tokens=64) as engine:
+        assert engine.submit(prompt, max_new_tokens=1, eos_token_id=[]).result(timeout=60) == alone(model, prompt, new=1)
+        with pytest.raises(RequestFailed, match="needs 49 tokens of KV \\(13 blocks of 4\\)"):
+            engine.submit(prompt, max_new_tokens=2, eos_token_id=[]).result(timeout=60)
+    assert_pool_clean(pool)
+    hf_paged_kv.disable(model)

@@ -152,7 +152,7 @@ class Admission:
             registry.forget(lambda pin, blocks: pin.reason == "hot")  # automatic pins are a cache policy: they give way
             return None
         pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""
-        return (f"request {request.id} needs {len(request.tokens()) + 1} tokens of KV ({needed} blocks of {size}), "
+        return (f"request {request.id} needs {request.kv_needed()} tokens of KV ({needed} blocks of {size}), "
                 f"more than the pool can hold: {total} blocks{pins}; use a larger KVPool or a shorter request")
 
     def _make_room(self, request: Request, whole_budget: int | None, admitted: list, metrics) -> bool:
@@ -205,14 +205,15 @@ class Admission:
                 return None
             request.sequence = Sequence(blocks=blocks, length=length, tokens=tokens[:length],
                                         history=bytearray(b"\x01" * length))
-            self.preemption.unswap(request)
-            request.computed = request.inherited = request.sequence.length
-            count = min(request.remaining, budget)
+            swapped = request.swapped
             try:
+                self.preemption.unswap(request)
+                request.computed = request.inherited = request.sequence.length
+                count = min(request.remaining, budget)
                 self.pool.grow([request.sequence], [count])
-            except PoolExhaustedError:
+            except PoolExhaustedError:  # nothing lost: a preempted request keeps its host copy for the next try
                 self.pool.decref(request.sequence.blocks)
-                request.sequence, request.computed = Sequence(), 0
+                request.sequence, request.computed, request.swapped = Sequence(), 0, swapped
                 return None
             self._register_inflight(request)
         return count

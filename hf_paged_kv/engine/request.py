@@ -179,9 +179,14 @@ class Request:
         reaches the end samples the next token (one token per step once the prompt is in)."""
         return self.prompt + self.generated
 
+    def kv_needed(self) -> int:
+        """Tokens of KV the sequence holds at most before its next sample: `tokens()`, and the
+        next token's unless that is its last (the token reaching max_new_tokens is never fed)."""
+        return len(self.tokens()) + (len(self.generated) + 1 < self.params.max_new_tokens)
+
     def blocks_needed(self, block_size: int) -> int:
-        """Blocks of `block_size` that `tokens()` and the next token's KV fill."""
-        return -(-(len(self.tokens()) + 1) // block_size)
+        """Blocks of `block_size` that `kv_needed` tokens fill."""
+        return -(-self.kv_needed() // block_size)
 
     @property
     def remaining(self) -> int:
