@@ -26,10 +26,11 @@ def tenant(value) -> str:
     return value
 
 
-def seconds(name: str, value) -> float | None:
-    """A duration such as a TTL: None (no limit) or a finite number > 0."""
-    if value is None:
+def seconds(name: str, value, optional: bool = True) -> float | None:
+    """A duration such as a TTL: a finite number > 0, or None (no limit) where `optional`."""
+    if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number of seconds > 0, or None, got {value!r}")
+        raise ValueError(f"{name} must be a finite number of seconds > 0{', or None' if optional else ''}, "
+                         f"got {value!r}")
     return float(value)

@@ -73,9 +73,7 @@ class Policy:
     """
 
     def __init__(self, half_life: float = 600.0, ttl: float | None = None, clock: Callable[[], float] = time.monotonic):
-        if half_life is None:
-            raise ValueError("half_life must be a finite number of seconds > 0, got None")
-        self.half_life, self.ttl = seconds("half_life", half_life), seconds("ttl", ttl)
+        self.half_life, self.ttl = seconds("half_life", half_life, optional=False), seconds("ttl", ttl)
         self.clock = clock
 
     def now(self) -> float:

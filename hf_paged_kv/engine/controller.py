@@ -131,7 +131,7 @@ class Knob:
     def follow_user(self) -> bool:
         """Adopt a live value the controller did not set as the configured one (its targets and
         bounds follow); True when there was one."""
-        if self.read is None or (live := self.read()) is None or live == self.value:
+        if self.read is None or (live := self.read()) == self.value:
             return False
         self.value = self.configured = live
         self.targets, self.low, self.high = self.derive(live)
