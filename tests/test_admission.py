@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from hf_paged_kv import KVPool
+from hf_paged_kv.engine import runner
 from hf_paged_kv.engine.admission import LATE_YIELD, Admission
 from hf_paged_kv.engine.costs import StepCosts
 from hf_paged_kv.engine.metrics import EngineMetrics
@@ -233,3 +234,38 @@ def test_the_growth_reserve_counts_a_bounded_share_of_max_new_tokens(num_blocks,
 def test_the_growth_clip_must_be_a_positive_number_of_tokens():
     with pytest.raises(ValueError, match="growth_clip must be >= 1"):
         Limits(growth_clip=0)
+
+
+def preempted_midway(admit: Admission, request: Request, computed: int) -> None:
+    """Admit `request`, store its first `computed` tokens as a forward would, then preempt it."""
+    assert admitted(admit, budget=computed) == [request]
+    runner.commit([(request, computed)])
+    admit.preemption.preempt(request)
+
+
+def test_a_prefill_preempted_midway_counts_the_tokens_it_inherits_beyond_what_it_computed():
+    """It stored 16 of its 100 tokens; another computed the first 80 meanwhile: coming back, it
+    inherits 64 prompt tokens no forward of its own computed, and they are counted."""
+    admit, metrics = admission(), EngineMetrics()
+    request = queue(admit, 100, time.monotonic())
+    preempted_midway(admit, request, 16)
+    cache_prefix(admit)
+    assert [r for r, _ in admit.admit(10_000, MODEL, metrics, False)] == [request]
+    assert request.inherited == 80 and metrics.counters["tokens_inherited"] == 64
+    assert runner.token_kinds([(request, 20)]) == (20, 0)  # the rest of its prompt: computed for the first time
+
+
+def test_a_swapped_partial_block_is_not_restored_under_other_weights():
+    """A request preempted with its prompt's 3 tokens in a partial block keeps their K/V on the
+    host; if the weights change while it waits, they are stale: it computes them again."""
+    for model, restored in ((MODEL, 3), ("other-weights", 0)):
+        admit = admission()
+        admit.costs.record(1, 0.5)  # recomputing looks expensive: the partial block is swapped
+        request = queue(admit, 3, time.monotonic())
+        assert admitted(admit) == [request]
+        runner.commit([(request, 3)])
+        request.generated.append(7)  # its first token, sampled from that forward
+        admit.preemption.preempt(request)
+        assert request.swapped is not None
+        assert [r for r, _ in admit.admit(10_000, model, EngineMetrics(), False)] == [request]
+        assert request.computed == request.sequence.length == restored and request.swapped is None

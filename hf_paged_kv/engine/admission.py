@@ -42,7 +42,7 @@ class Admission:
         self.pool, self.scheduler = pool, scheduler
         self.prefixes = PrefixProbe(pool)
         self.costs = StepCosts()
-        self.preemption = Preemption(pool, scheduler, self.costs)
+        self.preemption = Preemption(pool, scheduler, self.costs, self.prefixes)
         self.lengths: deque = deque(maxlen=10_000)  # sequence lengths seen (prompt + generated), for advice
         self.on_admit = lambda waited: None  # the engine records queue waits for the controller
         self.on_impossible = lambda request, reason: None  # the engine fails a request no pool state could hold
@@ -105,7 +105,11 @@ class Admission:
                 self.scheduler.waiting.remove(request)
                 self.scheduler.running.append(request)
                 request.yielded = False
-                if request.admitted is None:  # a preempted request coming back inherits its own blocks
+                # a preempted request coming back inherits its own blocks, and those another computed
+                # meanwhile past the tokens it had reached (a prefill preempted midway)
+                metrics.inherited(max(0, request.inherited - request.reached))
+                request.reached = max(request.reached, request.computed)
+                if request.admitted is None:
                     request.admitted = time.monotonic()
                     metrics.admitted(request)
                     self.on_admit(request.admitted - request.arrived)

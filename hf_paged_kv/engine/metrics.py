@@ -73,10 +73,13 @@ class EngineMetrics:
             self.e2e.observe(request.finished - request.arrived)
 
     def admitted(self, request) -> None:
-        """A request's first admission (a preempted one coming back inherits its own blocks)."""
-        self.count("tokens_inherited", request.inherited)
-        self.prompt_tokens.labels("inherited").inc(request.inherited)
+        """A request's first admission (a preempted one coming back waited once)."""
         self.queue.observe(request.admitted - request.arrived)
+
+    def inherited(self, tokens: int) -> None:
+        """Prompt tokens an admission inherited that no forward of the request computed."""
+        self.count("tokens_inherited", tokens)
+        self.prompt_tokens.labels("inherited").inc(tokens)
 
     def token(self, request, now: float) -> None:
         """A token generated for `request` at `now`, before the request records it."""

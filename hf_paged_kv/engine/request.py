@@ -150,7 +150,7 @@ class Request:
     inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
-    swapped: list | None = None  # the partial last block's K/V kept in host memory while preempted
+    swapped: tuple | None = None  # while preempted: (weights' fingerprint, tokens, its partial block's K/V on the host)
     yielded: bool = False  # waiting after making room for another's first token (see `yielding`)
 
     def __post_init__(self):
