@@ -13,8 +13,9 @@ as with `DynamicCache`. Rows may share blocks (reference counted): identical pro
 batch are stored once, beam search reorders rows by sharing, `copy.deepcopy` shares everything,
 and a row about to write into a shared block copies it first (copy-on-write).
 
-The integration calls `begin_forward` before each forward (plan it: inherit cached prefixes,
-allocate, compute slots) and then `finish_forward` or, if the forward raised anything at all,
+The integration claims the cache (`claim`: one thread's forward at a time) and calls
+`begin_forward` before each forward (plan it: inherit cached prefixes, allocate, compute
+slots) and then `finish_forward` or, if the forward raised anything at all,
 `abort_forward`, which leaves the cache as it was before the forward (stored tokens the
 forward's mask hid stay dropped, see `history`).
 """
@@ -42,17 +43,39 @@ _CLAIMING = threading.Lock()  # held only while a thread checks that a cache is 
 
 @dataclass
 class _Forward:
-    """A planned forward, committed by `finish_forward` or undone by `abort_forward`."""
+    """A claimed forward: planned by `begin_forward`, then committed by `finish_forward` or undone
+    by `abort_forward`."""
 
-    real: np.ndarray  # [B, T] stored columns
-    ids: np.ndarray  # [B, T] token ids (-1 where unknown or not to be matched: see Sequence.tokens)
-    inherited: np.ndarray  # per row: leading real tokens already stored (a reused prefix)
-    lengths_before: list[int]  # stored lengths before this forward (a fresh cache: none)
-    new_turn: bool  # the forward begins a turn of the conversation (`pin_turns` counts them)
     thread: threading.Thread  # the one running it: another may not begin a forward meanwhile
+    real: np.ndarray | None = None  # [B, T] stored columns
+    ids: np.ndarray | None = None  # [B, T] token ids (-1 where unknown or not to be matched: see Sequence.tokens)
+    inherited: np.ndarray | None = None  # per row: leading real tokens already stored (a reused prefix)
+    lengths_before: list[int] | None = None  # stored lengths before it (a fresh cache: none); None until planned
+    new_turn: bool = False  # the forward begins a turn of the conversation (`pin_turns` counts them)
 
     def runs_elsewhere(self) -> bool:
         return self.thread is not threading.current_thread() and self.thread.is_alive()
+
+    @property
+    def planned(self) -> bool:
+        return self.lengths_before is not None
+
+    def commit(self, sequences: list[Sequence]) -> None:
+        """Append to each row the tokens this forward stored after its inherited prefix."""
+        for b, sequence in enumerate(sequences):
+            sequence.append(self.real[b], self.ids[b][self.real[b]][self.inherited[b] :])
+
+    def undo(self, pool: KVPool, sequences: list[Sequence]) -> list[Sequence]:
+        """Give back what the forward's planning took; returns the rows as they were before it
+        (none when it began the cache)."""
+        with pool.locked():
+            if not self.lengths_before:
+                for sequence in sequences:
+                    pool.decref(sequence.blocks)
+                return []
+            for sequence, length in zip(sequences, self.lengths_before):
+                pool.decref(sequence.truncate(length, pool.block_size))
+        return sequences
 
 
 class PagedCache(Cache):
@@ -143,6 +166,16 @@ class PagedCache(Cache):
                     self._pool.incref(sequence.blocks)
         return twin
 
+    def claim(self) -> None:
+        """Reserve the cache for a forward of this thread before anything reads or changes its rows;
+        other threads' use raises until `finish_forward` or `abort_forward` (`begin_forward` claims too)."""
+        with _CLAIMING:  # checking that the cache is free and claiming it are one step: two threads never both pass
+            self.check_usable()
+            mine = self._forward is not None and self._forward.thread is threading.current_thread()
+            if not mine or self._forward.planned:
+                self.abort_forward()  # the previous forward never finished (interrupted)
+                self._forward = _Forward(threading.current_thread())
+
     def check_usable(self) -> None:
         """Raise unless this thread may use the cache: not released, not in another live thread's forward."""
         if self._released:
@@ -230,11 +263,9 @@ class PagedCache(Cache):
         real = np.ones(shape, dtype=bool) if stored is None else stored
         ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
         turn = real.shape[1] > 1 if new_turn is None else new_turn
-        with _CLAIMING:  # checking that the cache is free and claiming it are one step: two threads never both pass
-            self.check_usable()
-            self.abort_forward()  # the previous forward never finished (interrupted)
-            fresh, before = not self.sequences, [s.length for s in self.sequences]
-            self._forward = _Forward(real, ids, np.zeros(len(real), dtype=np.int64), before, turn, threading.current_thread())
+        self.claim()  # the integration's claim stands
+        fresh, before = not self.sequences, [s.length for s in self.sequences]
+        self._forward = _Forward(threading.current_thread(), real, ids, np.zeros(len(real), dtype=np.int64), before, turn)
         try:  # planning runs outside the pool's lock where it can (the semantic index embeds text)
             self._bind(pool, model)
             if not fresh and len(self.sequences) != len(real):
@@ -252,14 +283,12 @@ class PagedCache(Cache):
         return plan
 
     def finish_forward(self) -> None:
-        """The forward succeeded: adopt its tokens, and offer the rows' new full blocks for reuse
-        (identical blocks already indexed are shared instead)."""
+        """The forward succeeded: adopt its tokens, offer the rows' new full blocks for reuse."""
         forward, self._forward = self._forward, None
-        if forward is None:
+        if forward is None or not forward.planned:
             return
         pin_until = self.turn_pins.turn_began(forward.lengths_before) if forward.new_turn else None
-        for b, sequence in enumerate(self.sequences):
-            sequence.append(forward.real[b], forward.ids[b][forward.real[b]][forward.inherited[b] :])
+        forward.commit(self.sequences)
         if self.reuse and self._model is not None:
             with self._pool.locked():
                 for sequence in self.sequences:
@@ -272,15 +301,9 @@ class PagedCache(Cache):
         """The forward raised (any exception, KeyboardInterrupt included): undo its planning.
         Nothing it half-wrote is ever indexed, offered, pinned or read again."""
         forward, self._forward = self._forward, None
-        if forward is None:
-            return
-        if not forward.lengths_before:  # a fresh cache: give everything back
-            self._drop(self.sequences)
-            self.sequences, self.inherited = [], []
-            return
-        with self._pool.locked():
-            for sequence, length in zip(self.sequences, forward.lengths_before):
-                self._pool.decref(sequence.truncate(length, self._pool.block_size))
+        if forward is not None and forward.planned:  # a claim alone changed nothing
+            self.sequences = forward.undo(self._pool, self.sequences)
+            self.inherited = self.inherited if self.sequences else []
 
     def _bind(self, pool: KVPool, model: str) -> None:
         if self._pool not in (None, pool):

@@ -5,7 +5,9 @@ registered attention function.
 function "hf_paged_kv" (with a matching mask function) and wraps the model's `forward`:
 
 1. the wrapper sees every forward `generate` makes. With a PagedCache in `past_key_values` it
-   has the cache plan the forward (`PagedCache.begin_forward`: inherit cached prefixes,
+   claims the cache for this thread (`PagedCache.claim`) before it reads or changes the rows
+   (a later turn's mask may drop stored tokens: `history`), has the cache plan the forward
+   (`PagedCache.begin_forward`: inherit cached prefixes,
    allocate blocks, compute write slots), drops the input columns no row needs to compute, and
    runs the model with the plan active on this thread (`step.activate`);
 2. each attention layer calls the registered `paged_attention`, which has the backend write the
@@ -219,44 +221,10 @@ def _paged_forward(model, original):
         if kwargs.get("use_cache") is False:
             raise PagedKVError("a PagedCache was passed with use_cache=False, which would bypass it; drop "
                                "past_key_values or use_cache=False")
-        cache.check_usable()  # before anything reads or changes its rows (another thread's forward may)
         state = state_of(model)
-        input_ids = kwargs.get("input_ids", args[0] if args else None)
-        inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-        if inputs is None:
-            raise PagedKVError("forward needs input_ids or inputs_embeds")
-        shape = tuple(inputs.shape[:2])
-        # each new request or turn checks the weights, so a conversation continued on changed
-        # weights stops sharing its KV (PagedCache.begin_forward)
-        new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
-        fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
-        extras = _per_token_extras(kwargs)
-        mask = kwargs.get("attention_mask")
-        # a later turn may mask what an earlier one stored: those rows drop it first (generate's own
-        # decode steps only append to the mask: not copied to the host for each token)
-        if cache.is_initialized and (new_turn or _generate_call(model, cache) is None):
-            history.follow_mask(state.pool, cache.sequences, mask, shape[1])
-        # KV at other positions than generate's must not be shared: hashes say token ids only
-        stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
-        counted = prefill.positions_counted(cache.sequences, stored, kwargs.get("position_ids"))
-        # nor K/V that another forward of the same tokens would not compute: dropout in train mode,
-        # or RoPE frequencies chosen by this forward's length (model_checks.rope_length_limit)
-        if model.training or _rope_scaled(state.rope_limit, cache, kwargs.get("position_ids"), shape[1]):
-            counted[:] = False
-        may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
-        if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
-            _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
-        need_weights = kwargs.get("output_attentions")
-        need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
-        # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
-        # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
-        # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
-        known_ids = None if extras or input_ids is None else _unknown_where(input_ids, ~counted)
-        plan = cache.begin_forward(state.pool, fingerprint, known_ids, stored, shape, may_skip, logical=need_weights,
-                                   new_turn=new_turn)
-        if plan.skip:
-            args, kwargs = _drop_columns(args, kwargs, plan.skip)
+        cache.claim()  # before anything reads or changes its rows: another thread's forward would see them change
         try:
+            plan, need_weights, args, kwargs = _plan_forward(model, original, state, cache, args, kwargs)
             with step.activate(plan, state.backend, need_weights):
                 output = original(*args, **kwargs)
         except BaseException:
@@ -266,6 +234,47 @@ def _paged_forward(model, original):
         return output
 
     return forward
+
+
+def _plan_forward(model, original, state, cache: PagedCache, args, kwargs):
+    """Have the claimed `cache` plan this forward; returns the plan, whether attention weights are
+    wanted, and the forward's arguments without the columns the plan skips."""
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
+    if inputs is None:
+        raise PagedKVError("forward needs input_ids or inputs_embeds")
+    shape = tuple(inputs.shape[:2])
+    # each new request or turn checks the weights, so a conversation continued on changed
+    # weights stops sharing its KV (PagedCache.begin_forward)
+    new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
+    fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
+    extras = _per_token_extras(kwargs)
+    mask = kwargs.get("attention_mask")
+    # a later turn may mask what an earlier one stored: those rows drop it first (generate's own
+    # decode steps only append to the mask: not copied to the host for each token)
+    if cache.is_initialized and (new_turn or _generate_call(model, cache) is None):
+        history.follow_mask(state.pool, cache.sequences, mask, shape[1])
+    # KV at other positions than generate's must not be shared: hashes say token ids only
+    stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
+    counted = prefill.positions_counted(cache.sequences, stored, kwargs.get("position_ids"))
+    # nor K/V that another forward of the same tokens would not compute: dropout in train mode,
+    # or RoPE frequencies chosen by this forward's length (model_checks.rope_length_limit)
+    if model.training or _rope_scaled(state.rope_limit, cache, kwargs.get("position_ids"), shape[1]):
+        counted[:] = False
+    may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
+    if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
+        _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
+    need_weights = kwargs.get("output_attentions")
+    need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
+    # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
+    # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
+    # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
+    known_ids = None if extras or input_ids is None else _unknown_where(input_ids, ~counted)
+    plan = cache.begin_forward(state.pool, fingerprint, known_ids, stored, shape, may_skip, logical=need_weights,
+                               new_turn=new_turn)
+    if plan.skip:
+        args, kwargs = _drop_columns(args, kwargs, plan.skip)
+    return plan, need_weights, args, kwargs
 
 
 def _rope_scaled(limit: int | None, cache: PagedCache, position_ids, width: int) -> bool:

@@ -3,6 +3,7 @@ bad calls refused clearly, tenants, and the semantic index kept out of locks and
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 import threading
@@ -323,45 +324,76 @@ def test_one_cache_in_two_threads_at_once_is_refused(llama):
         assert errors and "in a forward on another thread" in errors[0]
         assert cache.row_lengths() == [12]  # the first thread's forward went through untouched
 
-
-def test_two_threads_starting_a_forward_on_one_cache_at_once_cannot_both_pass(llama):
-    """The check that the cache is free and its claim are one step: with thread switches forced
-    every microsecond, two threads that start together never both plan a forward on it."""
-    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=8))
-    ids = prompt(12, 7)
-    inside = threading.Semaphore(0)
-    release = threading.Event()
+@contextlib.contextmanager
+def racing(model):
+    """Yields `race(calls)`: start the calls on threads at once, with thread switches forced every
+    microsecond; each is held in its forward's first layer (or refused) until all are, then let
+    go. `race` returns the refusals."""
+    inside, release, armed = threading.Semaphore(0), threading.Event(), threading.Event()
 
     def hold(*_):
-        inside.release()
-        release.wait(30)
+        if armed.is_set():
+            inside.release()
+            release.wait(30)
 
-    hook = llama.model.layers[0].register_forward_pre_hook(hold)
+    def race(calls) -> list[PagedKVError]:
+        start, errors = threading.Barrier(len(calls)), []
+
+        def run(call):
+            start.wait(30)
+            try:
+                call()
+            except PagedKVError as error:
+                errors.append(error)
+                inside.release()
+
+        threads = [threading.Thread(target=run, args=(call,)) for call in calls]
+        release.clear()
+        armed.set()
+        for thread in threads:
+            thread.start()
+        assert all(inside.acquire(timeout=30) for _ in calls)
+        armed.clear()
+        release.set()
+        for thread in threads:
+            thread.join(30)
+        return errors
+
+    hook = model.model.layers[0].register_forward_pre_hook(hold)
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
     try:
-        for _ in range(50):
-            release.clear()
-            start, errors = threading.Barrier(2), []
-
-            def run(cache):
-                start.wait(30)
-                try:
-                    llama(input_ids=ids, past_key_values=cache)
-                except PagedKVError as error:
-                    errors.append(error)
-                    inside.release()
-
-            with PagedCache() as cache:
-                threads = [threading.Thread(target=run, args=(cache,)) for _ in range(2)]
-                for thread in threads:
-                    thread.start()
-                assert inside.acquire(timeout=30) and inside.acquire(timeout=30)
-                release.set()
-                for thread in threads:
-                    thread.join(30)
-                assert len(errors) == 1 and "in a forward on another thread" in str(errors[0])
-                assert cache.row_lengths() == [12]
+        yield race
     finally:
         sys.setswitchinterval(interval)
         hook.remove()
+
+
+def test_two_threads_starting_a_forward_on_one_cache_at_once_cannot_both_pass(llama):
+    """The check that the cache is free and its claim are one step: two threads that start
+    together never both plan a forward on it."""
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=8))
+    ids = prompt(12, 7)
+    with racing(llama) as race:
+        for _ in range(50):
+            with PagedCache() as cache:
+                errors = race([lambda: llama(input_ids=ids, past_key_values=cache)] * 2)
+                assert len(errors) == 1 and "in a forward on another thread" in str(errors[0])
+                assert cache.row_lengths() == [12]
+
+
+def test_a_thread_that_loses_the_race_for_a_cache_leaves_its_rows_untouched(llama):
+    """The claim comes before anything reads or changes the rows: two threads starting a turn
+    whose masks each hide another stored token leave the cache with the winner's change only
+    (the loser used to drop its token before it lost)."""
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=8))
+    ids, new = prompt(12, 8), prompt(1, 9)
+    masks = [torch.ones(1, 13, dtype=torch.long) for _ in range(2)]
+    masks[0][0, 3] = masks[1][0, 5] = 0
+    with racing(llama) as race:
+        for _ in range(20):
+            with PagedCache() as cache:
+                llama(input_ids=ids, past_key_values=cache)
+                errors = race([lambda m=m: llama(input_ids=new, attention_mask=m, past_key_values=cache) for m in masks])
+                assert len(errors) == 1 and "in a forward on another thread" in str(errors[0])
+                assert cache.row_lengths() == [12]  # 12 stored, one hidden by the winner, its new token
