@@ -93,7 +93,9 @@ def compute_prefixes(pool: KVPool, model: str, tenant: str, prefixes: list[list[
             plan = planner.plan_packed(sequences, counts, pool.block_size)
             with pool.locked():
                 pool.mark_written(plan.slot_mapping)
-            run(plan, np.concatenate([t[s.length :] for t, s in zip(prefixes, sequences)]),
+            # as int64 arrays: a prefix found whole (published, or in a lower tier) adds no ids, and an
+            # empty list would make NumPy's concatenation float64
+            run(plan, np.concatenate([np.asarray(t[s.length :], dtype=np.int64) for t, s in zip(prefixes, sequences)]),
                 np.concatenate([np.arange(s.length, len(t)) for t, s in zip(prefixes, sequences)]))
             with pool.locked():
                 for sequence, tokens in zip(sequences, prefixes):

@@ -424,3 +424,34 @@ def test_a_forward_in_train_mode_shares_nothing():
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     hf_paged_kv.disable(model)
     assert_pool_clean(pool)
+
+
+def test_a_batch_sharing_a_published_prefix_and_an_uncached_one_matches_dynamic_cache(model):
+    """The shared prefixes of a cold batch are computed first; one found whole (published) adds
+    no ids to that forward, which then got float ids and failed."""
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=2))
+    published, fresh = [5, 6, 7, 8], [20, 21, 22, 23]
+    hf_paged_kv.publish(model, published)
+    ids = torch.tensor([published + [9, 10], published + [11, 12], fresh + [13, 14], fresh + [15, 16]])
+    expected = greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=3)
+    with PagedCache() as cache:
+        assert torch.equal(greedy(model, cache, ids, torch.ones_like(ids), new_tokens=3), expected)
+    assert_pool_clean(hf_paged_kv.pool_of(model))
+
+
+def test_a_row_never_inherits_a_block_of_another_chain_than_its_parent(model):
+    """The tenant holds the first block, the published chain the first two: a row takes its own
+    first block and stops, for the published second block's parent is another block. (It took
+    both: the published parent stayed idle, counted as evictable while no eviction could take
+    it, and `audit` failed while the row lived.)"""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=2))
+    with PagedCache() as cache:
+        model.generate(input_ids=torch.tensor([[5, 6, 9]]), past_key_values=cache, max_new_tokens=1, do_sample=False)
+    hf_paged_kv.publish(model, [5, 6, 7, 8])
+    with PagedCache() as chat:
+        model.generate(input_ids=torch.tensor([[5, 6, 7, 8, 10]]), past_key_values=chat, max_new_tokens=2,
+                       do_sample=False)
+        assert chat.inherited == [2]
+        pool.audit()
+        pool.decref(pool.allocate(pool.num_available()))  # every block counted as available can be had
+    assert_pool_clean(pool)

@@ -76,8 +76,12 @@ class ReuseManager:
         now, found = self.policy.now(), []
         try:
             for mine, published in self.index.digest_pairs(model, tenant, tokens, max_blocks):
-                block = self.index.lookup(mine, now)
-                block = self.index.lookup(published, now) if block is None else block
+                # the tenant's block or the published one, whichever continues the blocks found so far:
+                # a row holding a child but not its parent (the other chain's) would leave that parent
+                # idle, counted as evictable while no eviction can take it
+                previous = found[-1] if found else None
+                block = next((b for digest in (mine, published) if (b := self.index.lookup(digest, now)) is not None
+                              and self.index.continues(b, previous)), None)
                 if block is not None:
                     self.allocator.incref([block])
                 else:

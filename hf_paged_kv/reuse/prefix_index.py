@@ -97,7 +97,7 @@ class PrefixIndex:
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
-            if known is not None and known != block and self._continues(known, parent):
+            if known is not None and known != block and self.continues(known, parent):
                 replacements.append((position, known))
                 block = known
             elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
@@ -119,7 +119,7 @@ class PrefixIndex:
         """Index a block brought back from a lower tier under its old digest and history."""
         self._add(block, meta, parent)
 
-    def _continues(self, known: int, previous: int | None) -> bool:
+    def continues(self, known: int, previous: int | None) -> bool:
         """Whether a sequence whose block before this one is `previous` may switch to `known`:
         only if `known` has no indexed parent or has `previous` as parent. Otherwise the row
         would reference `known` but not its parent (say an expired twin of `previous`), and that
