@@ -62,10 +62,21 @@ def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask, width: 
     of `width` new columns: stored tokens it now masks are dropped (`hide`); a pad it unmasks
     raises PagedKVError. All rows or none: a refusal or a full pool changes nothing. Nothing to
     do without a mask, for a fresh cache, or for a mask not as wide as the positions held plus
-    the new ones (a mask of the new columns alone, or another batch, says nothing of the past)."""
+    the new ones: one of another width is refused (a mask of the new columns alone does not say
+    what the held positions attend; a changed batch is left to `begin_forward`). No mask at all
+    attends every position: refused where a row holds pads."""
     logical = sequences[0].logical_length if sequences else 0
-    if attention_mask is None or not logical or tuple(attention_mask.shape) != (len(sequences), logical + width):
+    if attention_mask is None:
+        padded = next((row for row, sequence in enumerate(sequences) if 0 in sequence.history), None)
+        if padded is not None:
+            raise PagedKVError(f"this forward has no attention_mask, which attends every position, but row {padded} "
+                               "holds pads this PagedCache never stored: pass the mask")
         return
+    if not logical or attention_mask.dim() != 2 or len(attention_mask) != len(sequences):
+        return
+    if attention_mask.shape[1] != logical + width:
+        raise PagedKVError(f"the attention_mask covers {attention_mask.shape[1]} positions; this forward needs "
+                           f"{logical + width}: the {logical} this PagedCache holds and the {width} new ones")
     seen = attention_mask[:, :logical].detach().cpu().numpy().astype(bool)
     hiding = []
     for row, sequence in enumerate(sequences):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import hashlib
+import inspect
 import math
 import sys
 import time
@@ -43,7 +44,13 @@ from .pool import KVPool
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
 _STATE_ATTR = "hf_paged_kv_state"
-_PREVIOUS: dict[int, str] = {}  # id(model config) -> the attention implementation before enable
+_PREVIOUS: dict[int, str] = {}  # id(a config of an enabled model) -> its attention implementation before enable
+_PAGED: set[int] = set()  # id(the text config of an enabled model): the attention and masks that are paged
+# how transformers composes a causal mask, with a sliding window and packed sequences: what the
+# paged backends implement (any other part, such as an overlay letting image tokens attend to
+# later ones, or a bidirectional mask, is refused)
+_CAUSAL_MASK_PARTS = {"and_masks", "causal_mask_function", "sliding_window_overlay", "sliding_window_causal_mask_function",
+                      "packed_sequence_mask_function", "padding_mask_function", "add_offsets_to_mask_function"}
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
 
 
@@ -98,7 +105,8 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
     pool = pool if pool is not None else KVPool()
     _register()
     previous = model.config._attn_implementation or "sdpa"
-    _PREVIOUS[id(model.config)] = previous
+    configs = _configs(model)
+    _PREVIOUS.update({id(config): config._attn_implementation or previous for config in configs})
     model.set_attn_implementation(ATTENTION_NAME)
     try:
         layers = probe(model)  # one token through the model: which layers, what KV shapes
@@ -110,8 +118,9 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         pool.bind(layers, _model_dtype(model), fingerprint)
     except BaseException:
         model.set_attn_implementation(previous)
-        _PREVIOUS.pop(id(model.config), None)
+        _forget_configs(configs)
         raise
+    _PAGED.add(id(model.config.get_text_config(decoder=True)))
     original, original_generate = model.forward, getattr(model, "generate", None)
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, original_generate,
                          config_digest, fingerprint, layout, time.monotonic(),
@@ -135,7 +144,7 @@ def disable(model) -> None:
             else:
                 delattr(model, name)  # the class's method shows again
     model.set_attn_implementation(state.previous_attention)
-    _PREVIOUS.pop(id(model.config), None)
+    _forget_configs(_configs(model))
     delattr(model, _STATE_ATTR)
 
 
@@ -213,33 +222,59 @@ def _generate_call(model, cache: PagedCache):
 
 
 def _paged_forward(model, original):
-    @functools.wraps(original)  # generate reads the signature (logits_to_keep support) through __wrapped__
+    signature = inspect.signature(original)
+
     def forward(*args, **kwargs):
-        cache = kwargs.get("past_key_values")
+        if getattr(vars(model).get("forward"), "_torchdynamo_orig_callable", None) is paged:
+            raise PagedKVError("the forward was compiled after hf_paged_kv.enable, which never compiles it: compile it "
+                               "first, then enable (model.forward = torch.compile(model.forward); hf_paged_kv.enable(model))")
+        named = _by_name(signature, args, kwargs)  # generate passes keywords; a caller may pass the mask by position
+        cache = named.get("past_key_values")
         if not isinstance(cache, PagedCache):
             return original(*args, **kwargs)
-        if kwargs.get("use_cache") is False:
+        if named.get("use_cache") is False:
             raise PagedKVError("a PagedCache was passed with use_cache=False, which would bypass it; drop "
                                "past_key_values or use_cache=False")
         state = state_of(model)
         cache.claim()  # before anything reads or changes its rows: another thread's forward would see them change
         try:
-            plan, need_weights, args, kwargs = _plan_forward(model, original, state, cache, args, kwargs)
-            with step.activate(plan, state.backend, need_weights):
-                output = original(*args, **kwargs)
+            plan, need_weights, named = _plan_forward(model, original, state, cache, named)
+            with step.activate(plan, state.backend, need_weights) as active:
+                output = original(**named)
+            active.check_written(len(state.pool.layers))
         except BaseException:
             cache.abort_forward()
             raise
         cache.finish_forward()
         return output
 
-    return forward
+    untraced = torch.compiler.disable(forward)  # host bookkeeping dynamo cannot trace
+
+    @functools.wraps(original)  # generate reads the signature (logits_to_keep support) through __wrapped__
+    def paged(*args, **kwargs):
+        return untraced(*args, **kwargs)
+
+    return paged
 
 
-def _plan_forward(model, original, state, cache: PagedCache, args, kwargs):
+def _by_name(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
+    """The forward's arguments by name."""
+    if not args:
+        return kwargs
+    bound = signature.bind_partial(*args, **kwargs).arguments
+    named = {}
+    for name, value in bound.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            raise PagedKVError("this forward takes *args: pass its arguments by keyword")
+        named.update(value if kind is inspect.Parameter.VAR_KEYWORD else {name: value})
+    return named
+
+
+def _plan_forward(model, original, state, cache: PagedCache, kwargs: dict):
     """Have the claimed `cache` plan this forward; returns the plan, whether attention weights are
     wanted, and the forward's arguments without the columns the plan skips."""
-    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    input_ids = kwargs.get("input_ids")
     inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
     if inputs is None:
         raise PagedKVError("forward needs input_ids or inputs_embeds")
@@ -251,8 +286,9 @@ def _plan_forward(model, original, state, cache: PagedCache, args, kwargs):
     extras = _per_token_extras(kwargs)
     mask = kwargs.get("attention_mask")
     # a later turn may mask what an earlier one stored: those rows drop it first (generate's own
-    # decode steps only append to the mask: not copied to the host for each token)
-    if cache.is_initialized and (new_turn or _generate_call(model, cache) is None):
+    # decode steps only append to the mask: not copied to the host for each token); a cache of
+    # another pool is refused by begin_forward
+    if cache.is_initialized and cache.pool is state.pool and (new_turn or _generate_call(model, cache) is None):
         history.follow_mask(state.pool, cache.sequences, mask, shape[1])
     # KV at other positions than generate's must not be shared: hashes say token ids only
     stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
@@ -261,7 +297,7 @@ def _plan_forward(model, original, state, cache: PagedCache, args, kwargs):
     # or RoPE frequencies chosen by this forward's length (model_checks.rope_length_limit)
     if model.training or _rope_scaled(state.rope_limit, cache, kwargs.get("position_ids"), shape[1]):
         counted[:] = False
-    may_skip = bool(counted.all()) and _may_skip(args, kwargs, extras)
+    may_skip = bool(counted.all()) and _may_skip(kwargs, extras)
     if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
         _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
     need_weights = kwargs.get("output_attentions")
@@ -273,8 +309,8 @@ def _plan_forward(model, original, state, cache: PagedCache, args, kwargs):
     plan = cache.begin_forward(state.pool, fingerprint, known_ids, stored, shape, may_skip, logical=need_weights,
                                new_turn=new_turn)
     if plan.skip:
-        args, kwargs = _drop_columns(args, kwargs, plan.skip)
-    return plan, need_weights, args, kwargs
+        kwargs = _drop_columns(kwargs, plan.skip)
+    return plan, need_weights, kwargs
 
 
 def _rope_scaled(limit: int | None, cache: PagedCache, position_ids, width: int) -> bool:
@@ -298,9 +334,10 @@ def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: s
 
     def run(plan, tokens, positions):
         device = input_ids.device
-        with step.activate(plan, state.backend):
+        with step.activate(plan, state.backend) as active:
             original(input_ids=step.to_device(tokens, device)[None], position_ids=step.to_device(positions, device)[None],
                      use_cache=False, logits_to_keep=1)
+        active.check_written(len(state.pool.layers))
 
     prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
 
@@ -319,7 +356,7 @@ def _per_token_extras(kwargs) -> list[str]:
             and k != "past_key_values"]
 
 
-def _may_skip(args, kwargs, extras: list[str]) -> bool:
+def _may_skip(kwargs, extras: list[str]) -> bool:
     """Whether the forward may drop leading columns a row has cached: only when just the last
     position's logits are returned (generate) and nothing else per position is, and the caller
     gives the positions: a model that derives them itself may derive them from the pad tokens
@@ -328,10 +365,10 @@ def _may_skip(args, kwargs, extras: list[str]) -> bool:
         return False
     if kwargs.get("logits_to_keep") != 1 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
-    return len(args) <= 1 and not extras
+    return not extras
 
 
-def _drop_columns(args, kwargs, skip: int):
+def _drop_columns(kwargs, skip: int) -> dict:
     """Shorten the forward to the columns some row still computes (prefix reuse). The caller's
     positions are cut the same way, so RoPE and learned position embeddings see the truth."""
     kwargs = dict(kwargs)
@@ -341,9 +378,7 @@ def _drop_columns(args, kwargs, skip: int):
     for name in ("input_ids", "inputs_embeds"):
         if kwargs.get(name) is not None:
             kwargs[name] = kwargs[name][:, skip:]
-    if args:
-        args = (args[0][:, skip:], *args[1:])
-    return args, kwargs
+    return kwargs
 
 
 # ---------------------------------------------------------- attention and mask
@@ -356,7 +391,8 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     if recording is not None:  # enable is checking the model
         recording.record(module, key, value, kwargs)
     current = step.current()
-    if current is None:  # this forward uses another cache (or none): the model's own attention
+    # another cache (or none), or a module outside the paged text model (a vision tower): its own attention
+    if current is None or id(module.config) not in _PAGED:
         return _previous_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
                                            scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
     for name in REFUSED_KWARGS.keys() & kwargs.keys():  # one set operation per layer call
@@ -373,6 +409,7 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     # stored without their graph: the pool outlives the forward, and holding its autograd graph
     # would keep every grad-enabled forward's activations alive (gradients never reach stored KV)
     current.backend.write(plan, layer, key.detach(), value.detach())
+    current.written.add(layer)
     out, weights = current.backend.attention(query, layer, plan, scale, sliding_window, softcap,
                                              need_weights=current.need_weights, new_kv=(key, value))
     if weights is not None:
@@ -398,12 +435,34 @@ def _previous_attention(module):
 
 def paged_mask(*args, config=None, **kwargs):
     """Mask function registered with the attention: a paged forward builds its own masks from
-    the plan; any other forward gets the mask of the model's previous attention."""
-    if step.current() is not None:
+    the plan (causal, with a sliding window: any other mask is refused); any other forward, or a
+    module outside the paged text model, gets the mask of its previous attention."""
+    if step.current() is not None and id(config) in _PAGED:
+        _check_causal(kwargs.get("mask_function"))
         return None
     previous = _PREVIOUS.get(id(config), "sdpa")
     return ALL_MASK_ATTENTION_FUNCTIONS[previous if previous in ALL_MASK_ATTENTION_FUNCTIONS else "sdpa"](
         *args, config=config, **kwargs)
+
+
+def _check_causal(mask_function) -> None:
+    """Refuse a mask that transformers composed with parts the paged backends do not implement
+    (it composes closures: their cells hold the parts)."""
+    parts, seen = [mask_function], set()
+    while parts:
+        part = parts.pop()
+        if not callable(part) or id(part) in seen:
+            continue
+        seen.add(id(part))
+        name = getattr(part, "__qualname__", "").split(".")[0]
+        if name not in _CAUSAL_MASK_PARTS:
+            raise UnsupportedModelError(
+                f"this forward's attention mask has a part the paged backends do not implement ({name}: a "
+                "bidirectional or block overlay, such as image tokens attending to each other, or a custom mask); "
+                "hf_paged_kv's attention is causal, with an optional sliding window")
+        for cell in getattr(part, "__closure__", None) or ():
+            contents = cell.cell_contents
+            parts.extend(contents if isinstance(contents, tuple) else [contents])
 
 
 def _register() -> None:
@@ -412,6 +471,19 @@ def _register() -> None:
 
 
 # -------------------------------------------------------------------- helpers
+def _configs(model) -> list:
+    """The model's config, its text config and its other sub-configs (a vision tower's, ...)."""
+    config = model.config
+    subs = [getattr(config, name, None) for name in getattr(config, "sub_configs", {})]
+    return list({id(c): c for c in [config, config.get_text_config(decoder=True), *subs] if c is not None}.values())
+
+
+def _forget_configs(configs: list) -> None:
+    for config in configs:
+        _PREVIOUS.pop(id(config), None)
+        _PAGED.discard(id(config))
+
+
 def _model_dtype(model) -> torch.dtype:
     return next(p.dtype for p in model.parameters() if p.is_floating_point())
 

@@ -57,6 +57,10 @@ def check_config(model) -> None:
     if seq2seq or cross:
         raise UnsupportedModelError("encoder-decoder models and cross-attention are not supported: PagedCache is for "
                                     "decoder-only models")
+    # ("vision": image tokens attend to each other, which a forward with an image is refused for: integration._check_causal)
+    if getattr(config, "is_causal", True) is False or getattr(config, "use_bidirectional_attention", None) in (True, "all"):
+        raise UnsupportedModelError("bidirectional attention is not supported: the paged backends attend causally, "
+                                    "each token to the ones before it")
     kinds = set(getattr(config, "layer_types", None) or ["full_attention"])
     if not kinds <= SUPPORTED_LAYER_TYPES:
         raise UnsupportedModelError(

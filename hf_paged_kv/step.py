@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .errors import PagedKVError
+
 _local = threading.local()
 
 
@@ -104,12 +106,23 @@ def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class Step:
-    """The forward in progress on this thread: its plan, the backend that runs it, and whether
-    the caller asked for attention weights."""
+    """The forward in progress on this thread: its plan, the backend that runs it, whether the
+    caller asked for attention weights, and the layers that wrote their K/V so far."""
 
     plan: StepPlan
     backend: object
     need_weights: bool = False
+    written: set = field(default_factory=set)
+
+    def check_written(self, num_layers: int) -> None:
+        """Raise unless each of the pool's `num_layers` layers wrote its K/V in this forward: one
+        that ran other attention (its implementation changed after enable) left its blocks
+        unwritten, and committing them would share garbage."""
+        if len(self.written) != num_layers:
+            raise PagedKVError(
+                f"only {len(self.written)} of the model's {num_layers} attention layers ran hf_paged_kv's attention in "
+                "this forward (was the attention implementation changed after hf_paged_kv.enable, e.g. by "
+                "set_attn_implementation?): nothing was stored; call hf_paged_kv.disable(model) and enable it again")
 
 
 @contextmanager

@@ -59,10 +59,10 @@ def plant_heads_rotated():
 def plant_reused_positions_shifted():
     drop = integration._drop_columns
 
-    def shifted(args, kwargs, skip):
-        args, kwargs = drop(args, kwargs, skip)
+    def shifted(kwargs, skip):
+        kwargs = drop(kwargs, skip)
         kwargs["position_ids"] = kwargs["position_ids"] + 1
-        return args, kwargs
+        return kwargs
 
     integration._drop_columns = shifted
 

@@ -32,9 +32,10 @@ def forward(model, backend, pool: KVPool, batch: list[tuple[Request, int]]) -> t
     sampled = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens())]
     keep = plan.q_start[1:][sampled] - 1 if sampled else np.array([len(ids) - 1])
     device = model.get_input_embeddings().weight.device
-    with torch.inference_mode(), step.activate(plan, backend):
+    with torch.inference_mode(), step.activate(plan, backend) as active:
         logits = model(input_ids=step.to_device(ids, device)[None], position_ids=step.to_device(positions, device)[None],
                        use_cache=False, logits_to_keep=step.to_device(keep, device)).logits[0]
+    active.check_written(len(pool.layers))
     return (logits if sampled else logits[:0]), [batch[i][0] for i in sampled]
 
 
