@@ -49,8 +49,9 @@ _PAGED: set[int] = set()  # id(the text config of an enabled model): the attenti
 # how transformers composes a causal mask, with a sliding window and packed sequences: what the
 # paged backends implement (any other part, such as an overlay letting image tokens attend to
 # later ones, or a bidirectional mask, is refused)
-_CAUSAL_MASK_PARTS = {"and_masks", "causal_mask_function", "sliding_window_overlay", "sliding_window_causal_mask_function",
-                      "packed_sequence_mask_function", "padding_mask_function", "add_offsets_to_mask_function"}
+_CAUSAL_MASK_PARTS = {"and_masks", "or_masks", "causal_mask_function", "sliding_window_overlay",
+                      "sliding_window_causal_mask_function", "packed_sequence_mask_function", "padding_mask_function",
+                      "add_offsets_to_mask_function", "blockwise_overlay"}
 _PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
 
 
@@ -102,10 +103,13 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
             raise PagedKVError("model is already enabled with another pool; call hf_paged_kv.disable(model) first")
         return state.pool
     check_config(model)
+    if model.config._attn_implementation == ATTENTION_NAME:
+        raise PagedKVError("this model's config is an enabled model's (its attention is hf_paged_kv's already): give "
+                           "each model its own config object (copy.deepcopy(config))")
     pool = pool if pool is not None else KVPool()
     _register()
     previous = model.config._attn_implementation or "sdpa"
-    configs = _configs(model)
+    configs = [config for config in _configs(model) if id(config) not in _PREVIOUS]  # a sub-config may be shared
     _PREVIOUS.update({id(config): config._attn_implementation or previous for config in configs})
     model.set_attn_implementation(ATTENTION_NAME)
     try:
@@ -455,13 +459,15 @@ def _check_causal(mask_function) -> None:
             continue
         seen.add(id(part))
         name = getattr(part, "__qualname__", "").split(".")[0]
-        if name not in _CAUSAL_MASK_PARTS:
+        cells = [cell.cell_contents for cell in getattr(part, "__closure__", None) or ()]
+        # a block overlay is a no-op where no token is in a block (-1 everywhere: a prompt without media)
+        in_blocks = name == "blockwise_overlay" and any(torch.is_tensor(c) and bool((c >= 0).any()) for c in cells)
+        if name not in _CAUSAL_MASK_PARTS or in_blocks:
             raise UnsupportedModelError(
                 f"this forward's attention mask has a part the paged backends do not implement ({name}: a "
                 "bidirectional or block overlay, such as image tokens attending to each other, or a custom mask); "
                 "hf_paged_kv's attention is causal, with an optional sliding window")
-        for cell in getattr(part, "__closure__", None) or ():
-            contents = cell.cell_contents
+        for contents in cells:
             parts.extend(contents if isinstance(contents, tuple) else [contents])
 
 

@@ -102,7 +102,8 @@ def test_a_bidirectional_text_model_is_refused_at_enable():
 def test_an_image_whose_tokens_attend_to_each_other_is_refused_and_the_vision_tower_keeps_its_attention():
     """Gemma-3 with an image: the vision tower (no paged layers) runs its own attention; the
     language model's mask lets image tokens attend to later image tokens, which the causal
-    backends cannot do: refused, nothing stored. A prompt without an image matches DynamicCache."""
+    backends cannot do: refused, nothing stored. A prompt without an image matches DynamicCache
+    (its mask carries the overlay too, with no token in a block)."""
     text = Gemma3TextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, pad_token_id=PAD)
     vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -115,14 +116,16 @@ def test_an_image_whose_tokens_attend_to_each_other_is_refused_and_the_vision_to
     ids = torch.tensor([[1, 5, 6, 98] + [100] * 4 + [99, 7, 8, 9, 10]])
     image = dict(token_type_ids=(ids == 100).long(), pixel_values=torch.randn(1, 3, 16, 16))
     plain = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11]])
-    expected = model.generate(input_ids=plain, past_key_values=DynamicCache(), max_new_tokens=5, do_sample=False)
+    # token types of zeros, as Gemma3Processor gives every prompt: the block overlay is then a no-op
+    text = dict(input_ids=plain, token_type_ids=torch.zeros_like(plain), max_new_tokens=5, do_sample=False)
+    expected = model.generate(past_key_values=DynamicCache(), **text)
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))
     try:
         with PagedCache() as cache, pytest.raises(UnsupportedModelError, match="image tokens attending to each other"):
             model.generate(input_ids=ids, past_key_values=cache, max_new_tokens=5, do_sample=False, **image)
         assert pool.stats()["blocks_cached"] == 0
         with PagedCache() as cache:
-            got = model.generate(input_ids=plain, past_key_values=cache, max_new_tokens=5, do_sample=False)
+            got = model.generate(past_key_values=cache, **text)
         assert torch.equal(got, expected)
         assert_pool_clean(pool)
     finally:
@@ -144,3 +147,16 @@ def test_assisted_decoding_on_a_continued_cache_is_refused(llama):
             llama.generate(input_ids=follow, past_key_values=cache, assistant_model=assistant, max_new_tokens=4,
                            do_sample=False)
         assert cache.row_lengths() == held
+
+
+def test_a_model_built_on_an_enabled_models_config_is_refused_and_the_first_goes_on(llama):
+    """The config object carries the attention implementation: a second model on it cannot be
+    enabled (its fallback attention would be the paged one), and refusing it leaves the first as it was."""
+    hf_paged_kv.enable(llama, pool=KVPool(num_blocks=64, block_size=4))
+    ids, mask = random_batch(1, 10, seed=10)
+    twin = type(llama)(llama.config).eval()
+    with pytest.raises(PagedKVError, match="give each model its own config object"):
+        hf_paged_kv.enable(twin)
+    with PagedCache() as cache:
+        assert torch.equal(greedy(llama, cache, ids, mask, new_tokens=4), greedy(llama, DynamicCache(), ids, mask,
+                                                                                  new_tokens=4))

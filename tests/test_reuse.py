@@ -440,18 +440,24 @@ def test_a_batch_sharing_a_published_prefix_and_an_uncached_one_matches_dynamic_
 
 
 def test_a_row_never_inherits_a_block_of_another_chain_than_its_parent(model):
-    """The tenant holds the first block, the published chain the first two: a row takes its own
-    first block and stops, for the published second block's parent is another block. (It took
-    both: the published parent stayed idle, counted as evictable while no eviction could take
-    it, and `audit` failed while the row lived.)"""
+    """The tenant holds the first block, the published chain the first two: a row takes the
+    published chain whole, not its own first block and then the published second, whose parent
+    is another block. (It took both: the published parent stayed idle, counted as evictable
+    while no eviction could take it, and `audit` failed while the row lived.)"""
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=2))
     with PagedCache() as cache:
         model.generate(input_ids=torch.tensor([[5, 6, 9]]), past_key_values=cache, max_new_tokens=1, do_sample=False)
     hf_paged_kv.publish(model, [5, 6, 7, 8])
     with PagedCache() as chat:
-        model.generate(input_ids=torch.tensor([[5, 6, 7, 8, 10]]), past_key_values=chat, max_new_tokens=2,
-                       do_sample=False)
-        assert chat.inherited == [2]
+        reply = model.generate(input_ids=torch.tensor([[5, 6, 7, 8, 10]]), past_key_values=chat, max_new_tokens=2,
+                               do_sample=False)
+        assert chat.inherited == [4]
+        assert hf_paged_kv.cached_tokens(model, [5, 6, 7, 8, 10])["device"] == 4  # what admission probes too
         pool.audit()
         pool.decref(pool.allocate(pool.num_available()))  # every block counted as available can be had
+    # the block the tenant computed after the published ones is found through them
+    follow = torch.cat([reply, torch.tensor([[11]])], 1)
+    with PagedCache() as cache:
+        model.generate(input_ids=follow, past_key_values=cache, max_new_tokens=1, do_sample=False)
+        assert cache.inherited == [6]
     assert_pool_clean(pool)

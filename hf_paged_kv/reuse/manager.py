@@ -73,15 +73,13 @@ class ReuseManager:
         return blocks, length
 
     def _exact(self, model: str, tenant: str, tokens, max_blocks: int, promote: Promote) -> list[int]:
-        now, found = self.policy.now(), []
+        now = self.policy.now()
+        pairs = self.index.digest_pairs(model, tenant, tokens, max_blocks)
+        found = self._device_prefix(pairs, now)
+        self.allocator.incref(found)
         try:
-            for mine, published in self.index.digest_pairs(model, tenant, tokens, max_blocks):
-                # the tenant's block or the published one, whichever continues the blocks found so far:
-                # a row holding a child but not its parent (the other chain's) would leave that parent
-                # idle, counted as evictable while no eviction can take it
-                previous = found[-1] if found else None
-                block = next((b for digest in (mine, published) if (b := self.index.lookup(digest, now)) is not None
-                              and self.index.continues(b, previous)), None)
+            for mine, published in pairs[len(found) :]:
+                block = self._continuing((mine, published), found, now)
                 if block is not None:
                     self.allocator.incref([block])
                 else:
@@ -90,7 +88,7 @@ class ReuseManager:
                     if promoted is None:
                         break
                     block, meta, tier = promoted
-                    self.index.adopt(block, meta, found[-1] if found else None)
+                    self.index.adopt(block, meta, after)
                     self.counters[f"hit_tokens_{tier}"] += self.block_size
                 found.append(block)
         except BaseException:  # a promotion that raised (a full pool, a disk error, Ctrl-C): nothing is kept
@@ -98,6 +96,31 @@ class ReuseManager:
             raise
         self.index.touch(found, now)
         return found
+
+    def _device_prefix(self, pairs: list[tuple[bytes, bytes]], now: float) -> list[int]:
+        """The device blocks of the longest cached prefix whose blocks form one chain, each the
+        tenant's or the published block of its depth, continuing the one before (a tenant that
+        cached the start of a prompt published later whole goes on in the published chain). A row
+        holding a child but not its parent would leave that parent idle, counted as evictable while
+        no eviction can take it."""
+        depths, continues = [], self.index.continues
+        for pair in pairs:  # per depth, the blocks some chain from the root reaches
+            before = depths[-1] if depths else [None]
+            reached = [block for digest in pair if (block := self.index.lookup(digest, now)) is not None
+                       and any(continues(block, previous) for previous in before)]
+            if not reached:
+                break
+            depths.append(reached)
+        chain = []
+        for reached in reversed(depths):  # back from the deepest: the tenant's block first where both continue
+            chain.append(next(block for block in reached if not chain or continues(chain[-1], block)))
+        return chain[::-1]
+
+    def _continuing(self, digests, chain: list[int], now: float) -> int | None:
+        """The first of `digests`' device blocks that continues `chain`."""
+        previous = chain[-1] if chain else None
+        return next((block for digest in digests if (block := self.index.lookup(digest, now)) is not None
+                     and self.index.continues(block, previous)), None)
 
     def probe(self, model: str, tenant: str, tokens, lower_tier: Callable[[bytes], str | None],
               pairs: list[tuple[bytes, bytes]] | None = None) -> dict[str, int]:
@@ -107,13 +130,12 @@ class ReuseManager:
         now, found = self.policy.now(), dict.fromkeys(("device", "host", "disk"), 0)
         if pairs is None:
             pairs = self.index.digest_pairs(model, tenant, tokens, len(tokens) // self.block_size)
-        for mine, published in pairs:
-            if self.index.lookup(mine, now) is not None or self.index.lookup(published, now) is not None:
-                tier = "device"
-            else:
-                tier = lower_tier(mine) or lower_tier(published)
-                if tier is None:
-                    break
+        on_device = len(self._device_prefix(pairs, now))  # the blocks inheriting would take, as `_exact`
+        found["device"] = on_device * self.block_size
+        for mine, published in pairs[on_device:]:
+            tier = lower_tier(mine) or lower_tier(published)
+            if tier is None:
+                break
             found[tier] += self.block_size
         return found
 
@@ -128,19 +150,21 @@ class ReuseManager:
         """Promote the lower-tier blocks of the longest cached prefix of `tokens` to the device
         (prefetch), leaving them cached and unreferenced; counts no lookup or hit. Returns the
         tokens promoted."""
-        now, previous, promoted = self.policy.now(), None, 0
-        for mine, published in self.index.digest_pairs(model, tenant, tokens, (len(tokens) - 1) // self.block_size):
-            block = self.index.lookup(mine, now)
-            block = self.index.lookup(published, now) if block is None else block
+        now, promoted = self.policy.now(), 0
+        pairs = self.index.digest_pairs(model, tenant, tokens, (len(tokens) - 1) // self.block_size)
+        chain = self._device_prefix(pairs, now)
+        for mine, published in pairs[len(chain) :]:
+            block = self._continuing((mine, published), chain, now)
             if block is None:
-                brought = promote(mine, previous) or promote(published, previous)
+                after = chain[-1] if chain else None
+                brought = promote(mine, after) or promote(published, after)
                 if brought is None:
                     break
                 block, meta, _ = brought
-                self.index.adopt(block, meta, previous)
+                self.index.adopt(block, meta, after)
                 self.allocator.decref([block])  # cached, unreferenced: evictable as before
                 promoted += self.block_size
-            previous = block
+            chain.append(block)
         return promoted
 
     # --------------------------------------------------------------- offer

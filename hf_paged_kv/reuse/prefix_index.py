@@ -97,7 +97,8 @@ class PrefixIndex:
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
-            if known is not None and known != block and self.continues(known, parent):
+            # an indexed block stays (its children continue it: a published block the tenant holds a twin of)
+            if known is not None and known != block and block not in self.metas and self.continues(known, parent):
                 replacements.append((position, known))
                 block = known
             elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
