@@ -391,10 +391,11 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     """The registered attention function: writes the layer's new K/V into the pool, then
     `query` `[B, heads, T, dim]` attends to the stored sequence. Returns `([B, T, heads, dim],
     weights or None)` as transformers expects."""
-    recording = step.probe_recording()
+    recording, current = step.probe_recording(), step.current()
+    if recording is not None or (current is not None and id(module.config) in _PAGED):
+        _check_no_scores(module, attention_mask)
     if recording is not None:  # enable is checking the model
         recording.record(module, key, value, kwargs)
-    current = step.current()
     # another cache (or none), or a module outside the paged text model (a vision tower): its own attention
     if current is None or id(module.config) not in _PAGED:
         return _previous_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
@@ -419,6 +420,16 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     if weights is not None:
         weights = _logical_weights(weights, plan)
     return out.transpose(1, 2).contiguous(), weights
+
+
+def _check_no_scores(module, attention_mask) -> None:
+    """The paged backends mask by the plan: a mask the model built itself may say what the plan
+    says (causal, padding: 0 and the masking minimum), never add scores of its own (Doge's dynamic mask)."""
+    if torch.is_tensor(attention_mask) and attention_mask.is_floating_point() and bool(
+            ((attention_mask != 0) & (attention_mask > torch.finfo(attention_mask.dtype).min / 2)).any()):
+        raise UnsupportedModelError(f"{type(module).__name__} adds scores of its own to the attention (a mask with "
+                                    "values other than 0 and the masking minimum), which the paged backends do not "
+                                    "implement")
 
 
 def _logical_weights(weights: torch.Tensor, plan) -> torch.Tensor:

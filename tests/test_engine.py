@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 from conftest import VOCAB, assert_pool_clean, make_model, manual_clock
+from tiny_models import build
 from transformers import DynamicCache
 
 import hf_paged_kv
-from hf_paged_kv import Engine, KVPool, Overloaded, PagedKVError
+from hf_paged_kv import Engine, KVPool, Overloaded, PagedKVError, UnsupportedModelError
 from hf_paged_kv.engine import RequestFailed, Thresholds
 from hf_paged_kv.engine.scheduler import Limits
 
@@ -622,4 +623,16 @@ def test_a_request_that_fills_the_pool_exactly_is_served():
         with pytest.raises(RequestFailed, match="needs 49 tokens of KV \\(13 blocks of 4\\)"):
             engine.submit(prompt, max_new_tokens=2, eos_token_id=[]).result(timeout=60)
     assert_pool_clean(pool)
+    hf_paged_kv.disable(model)
+
+
+@pytest.mark.parametrize("arch", ["kosmos2", "kosmos2_5"])
+def test_a_model_whose_packed_forwards_differ_from_generate_is_refused(arch):
+    """Kosmos-2 counts positions from a padding offset, which generate's inputs give it and the
+    engine's packed forwards do not: its tokens differed from generate's; the engine refuses it
+    at construction (generate with a PagedCache serves it)."""
+    model = build(arch)
+    with pytest.raises(UnsupportedModelError, match="than in generate"):
+        Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False)
+    assert_pool_clean(hf_paged_kv.pool_of(model))
     hf_paged_kv.disable(model)

@@ -103,7 +103,8 @@ CATALOGUE: dict[str, Tiny] = {
         d_model=64, attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
         ffn_config={"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2})),
     "diffllama": Tiny("DiffLlamaForCausalLM", "DiffLlamaConfig", refused=TWO_CALLS),
-    "doge": Tiny("DogeForCausalLM", "DogeConfig"),
+    # its dynamic mask adds learned scores to the attention
+    "doge": Tiny("DogeForCausalLM", "DogeConfig", refused=r"adds scores of its own to the attention"),
     "dots1": Tiny("Dots1ForCausalLM", "Dots1Config", SLIDING),
     "emu3": Tiny("Emu3ForCausalLM", "Emu3TextConfig"),
     "ernie4_5": Tiny("Ernie4_5ForCausalLM", "Ernie4_5Config"),

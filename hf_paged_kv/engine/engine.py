@@ -65,8 +65,11 @@ class Engine:
                  limits: Limits | None = None, controller: bool = True, slo: SLO | None = None,
                  thresholds: Thresholds | None = None):
         self.model, self.tokenizer = model, tokenizer
+        if model.training:  # dropout would make its KV, shared with later requests, random (and the check below)
+            raise PagedKVError("the model is in train mode: call model.eval() before serving it")
         self.pool = enable(model, pool=pool, backend=backend)
         self.backend = state_of(model).backend
+        runner.check_packing(model, self.backend, self.pool)
         self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
                                                             max_waiting=max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)

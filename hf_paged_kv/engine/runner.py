@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers import DynamicCache
 
 from .. import step
+from ..errors import PoolExhaustedError, UnsupportedModelError
 from ..planner import plan_packed
 from ..pool import KVPool
+from ..sequence import Sequence
 from .request import Request
 
 
@@ -59,3 +62,60 @@ def token_kinds(batch: list[tuple[Request, int]]) -> tuple[int, int]:
         repeated = max(0, min(request.computed + count - decode, request.reached) - request.computed)
         first, again = first + count - decode - repeated, again + repeated
     return first, again
+
+
+
+
+def check_packing(model, backend, pool: KVPool) -> None:
+    """Refuse a model that the engine's packed forwards would run otherwise than `generate`:
+    two requests' prefill and decode, packed into one row with positions restarting per
+    request, must give each request's logits from `generate` with DynamicCache. Kosmos-2 counts
+    its positions from a padding offset, which generate's inputs give it and the engine's do
+    not. A few tokens; skipped when the pool has no room for them."""
+    embeddings = model.get_input_embeddings()
+    generator = torch.Generator().manual_seed(0)
+    rows, expected = [], []
+    for length in (5, 4):
+        prompt = torch.randint(0, embeddings.num_embeddings, (1, length), generator=generator).to(embeddings.weight.device)
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=DynamicCache(),
+                             max_new_tokens=2, min_new_tokens=2, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+        rows.append(out.sequences[0, : length + 1].cpu().numpy())  # the prompt and its first token, fed back
+        expected.append(out.logits[1][0].float())
+    try:
+        packed = _decode_logits(model, backend, pool, rows)
+    except PoolExhaustedError:
+        return
+    tolerance = 1e-3 if embeddings.weight.dtype in (torch.float32, torch.float64) else 5e-2
+    for got, reference in zip(packed, expected):
+        if (got - reference).abs().max() > tolerance * (1 + reference.abs().max()):
+            raise UnsupportedModelError(
+                f"{type(model).__name__} gives other logits in the engine's packed forwards (positions restarting per "
+                "request) than in generate: it positions tokens otherwise or mixes them across the row, so the engine "
+                "cannot batch it; serve it with generate and a PagedCache")
+
+def _decode_logits(model, backend, pool: KVPool, rows: list[np.ndarray]) -> torch.Tensor:
+    """The logits `[len(rows), vocab]` (float) of each row's last token, fed in a packed decode
+    after a packed prefill of the rest, on fresh blocks freed after."""
+    sequences, device = [Sequence() for _ in rows], model.get_input_embeddings().weight.device
+    try:
+        for feeds in ([row[:-1] for row in rows], [row[-1:] for row in rows]):
+            with pool.locked():
+                pool.grow(sequences, [len(fed) for fed in feeds])
+            plan = plan_packed(sequences, [len(fed) for fed in feeds], pool.block_size)
+            with pool.locked():
+                pool.mark_written(plan.slot_mapping)
+            ids = np.concatenate(feeds)
+            positions = np.concatenate([np.arange(s.length, s.length + len(fed)) for s, fed in zip(sequences, feeds)])
+            with torch.inference_mode(), step.activate(plan, backend):
+                logits = model(input_ids=step.to_device(ids, device)[None],
+                               position_ids=step.to_device(positions, device)[None], use_cache=False).logits[0]
+            for sequence, fed in zip(sequences, feeds):
+                sequence.tokens.extend(fed.tolist())
+                sequence.length += len(fed)
+                sequence.history.extend(b"\x01" * len(fed))
+        return logits.float()
+    finally:
+        with pool.locked():
+            for sequence in sequences:
+                pool.decref(sequence.blocks)
