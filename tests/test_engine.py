@@ -636,3 +636,15 @@ def test_a_model_whose_packed_forwards_differ_from_generate_is_refused(arch):
         Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False)
     assert_pool_clean(hf_paged_kv.pool_of(model))
     hf_paged_kv.disable(model)
+
+
+def test_the_packing_check_uses_the_models_own_generation_config_cache():
+    """The engine checks its packed forwards against generate with the model's own cache: a
+    generation config naming a static cache is served (passing a cache beside it was refused)."""
+    model = make_model("llama", seed=3)
+    prompt = prompts([9])[0]
+    expected = alone(model, prompt)
+    model.generation_config.cache_implementation = "static"
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False) as engine:
+        assert engine.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
+    hf_paged_kv.disable(model)

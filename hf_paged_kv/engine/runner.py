@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from transformers import GenerationConfig
 
 from .. import step
 from ..errors import PoolExhaustedError, UnsupportedModelError
@@ -65,11 +65,16 @@ def token_kinds(batch: list[tuple[Request, int]]) -> tuple[int, int]:
 
 
 
+# the reference of `check_packing`: two greedy tokens and their raw logits, with the model's own
+# cache (its generation config may name one) whatever its stop tokens
+_TWO_GREEDY_TOKENS = GenerationConfig(max_new_tokens=2, min_new_tokens=2, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, pad_token_id=0)
+
 
 def check_packing(model, backend, pool: KVPool) -> None:
     """Refuse a model that the engine's packed forwards would run otherwise than `generate`:
     two requests' prefill and decode, packed into one row with positions restarting per
-    request, must give each request's logits from `generate` with DynamicCache. Kosmos-2 counts
+    request, must give each request's logits from `generate` with its own cache. Kosmos-2 counts
     its positions from a padding offset, which generate's inputs give it and the engine's do
     not. A few tokens; skipped when the pool has no room for them."""
     embeddings = model.get_input_embeddings()
@@ -77,9 +82,12 @@ def check_packing(model, backend, pool: KVPool) -> None:
     rows, expected = [], []
     for length in (5, 4):
         prompt = torch.randint(0, embeddings.num_embeddings, (1, length), generator=generator).to(embeddings.weight.device)
-        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), past_key_values=DynamicCache(),
-                             max_new_tokens=2, min_new_tokens=2, do_sample=False, output_logits=True,
-                             return_dict_in_generate=True)
+        try:
+            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                 generation_config=_TWO_GREEDY_TOKENS)
+        except Exception as error:  # noqa: BLE001 - what transformers raises, named in the refusal
+            raise UnsupportedModelError(f"{type(model).__name__} could not generate two tokens of a {length}-token "
+                                        f"prompt, which the engine checks its packed forwards against: {error!r}") from error
         rows.append(out.sequences[0, : length + 1].cpu().numpy())  # the prompt and its first token, fed back
         expected.append(out.logits[1][0].float())
     try:
