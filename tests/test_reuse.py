@@ -461,3 +461,22 @@ def test_a_row_never_inherits_a_block_of_another_chain_than_its_parent(model):
         model.generate(input_ids=follow, past_key_values=cache, max_new_tokens=1, do_sample=False)
         assert cache.inherited == [6]
     assert_pool_clean(pool)
+
+
+def test_a_prefix_whose_first_block_expired_before_the_second_is_indexed_again_whole(model):
+    """With a TTL, a conversation's later turn indexes its blocks later, so a child outlives its
+    parent. The prefix computed again after the parent expired re-indexes both blocks (the
+    fresh twin of the second continued the expired parent: the new copy was never indexed, the
+    prefix stopped at one block and pinning it failed)."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=4, ttl=5.0))
+    clock = manual_clock(pool)
+    prefix = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), PagedCache() as chat:
+        model(input_ids=prefix[:, :5], past_key_values=chat)  # t=0: the first block, expiring at 5
+        clock[0] = 3.0
+        model(input_ids=prefix[:, 5:], past_key_values=chat)  # t=3: the second, expiring at 8
+    clock[0] = 6.0
+    pin = hf_paged_kv.pin(model, prefix[0].tolist())
+    assert pin.tokens == 8 and hf_paged_kv.cached_tokens(model, prefix[0].tolist())["device"] == 8
+    hf_paged_kv.unpin(model, pin)
+    assert_pool_clean(pool)

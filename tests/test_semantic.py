@@ -3,6 +3,7 @@ verified token by token, and a verified prefix ending inside a block is reused b
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_pool_clean, manual_clock
@@ -213,3 +214,82 @@ def test_an_entry_on_a_published_prefix_still_verifies(setup, tokenizer):
     with PagedCache() as cache:
         torch.testing.assert_close(generate(model, second, cache), expected, rtol=0, atol=0)
         assert cache.inherited == [common]
+
+
+# ------------------------------------------ a constant embedder: every entry is a candidate
+class IdsAsWords:
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids)
+
+
+class SameVector:
+    def encode(self, texts, normalize_embeddings=True, convert_to_numpy=True):
+        return np.ones((len(texts), 8), np.float32) / np.sqrt(8)
+
+
+def candidates_model(block_size: int, num_blocks: int = 32, ttl: float | None = None, vocab: int = 96,
+                     **pool_options):
+    """A tiny random Llama whose semantic index proposes every entry (verification decides)."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+                                         pad_token_id=0)).eval()
+    semantic = SemanticIndex(IdsAsWords(), embedder=SameVector(), threshold=0.0, ttl=ttl)
+    return model, hf_paged_kv.enable(model, pool=KVPool(num_blocks=num_blocks, block_size=block_size,
+                                                        semantic=semantic, **pool_options))
+
+
+def greedy_ids(model, ids, cache, new=2, **kwargs):
+    return model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                          max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+
+
+def test_a_row_cropped_inside_an_indexed_block_leaves_no_entry_holding_it():
+    """Prompt lookup crops rejected candidates at the end of generate, inside a block indexed
+    full: the entry held that block as a partial block of its own, a reference on an indexed
+    block whose parent stayed idle (audit failed with every cache released; a pool counted a
+    block as available that no eviction could free)."""
+    model, pool = candidates_model(block_size=4, num_blocks=64, vocab=16)
+    ids = torch.tensor([[10, 3, 15, 10, 3, 15]])
+    with PagedCache() as cache:
+        greedy_ids(model, ids, cache, new=6, prompt_lookup_num_tokens=3)
+    pool.audit()
+    pool.decref(pool.allocate(pool.num_available()))
+    hf_paged_kv.disable(model)
+
+
+def test_a_semantic_candidate_continuing_other_copies_of_the_prefix_is_taken_with_them():
+    """The tenant holds the first two blocks of a prompt published later (with a public entry);
+    a request diverging inside the third block finds its own two by hash and the published
+    third through the entry, whose parent is the published second: the row takes the entry's
+    blocks whole (it mixed them: an idle parent counted as evictable, and the request's own
+    allocation failed on a pool just large enough)."""
+    model, pool = candidates_model(block_size=8, num_blocks=16, hot_threshold=None)
+    generator = torch.Generator().manual_seed(1)
+    system = torch.randint(3, 96, (1, 35), generator=generator)
+    with PagedCache() as cache:
+        greedy_ids(model, torch.cat([system[:, :16], torch.randint(3, 96, (1, 5), generator=generator)], 1), cache)
+    hf_paged_kv.publish(model, system[0].tolist())
+    ids = torch.cat([system[:, :17], torch.randint(3, 96, (1, 24), generator=generator)], 1)
+    expected = greedy_ids(model, ids, DynamicCache())
+    held = pool.allocate(pool.num_free())  # the rest of the pool is in use elsewhere
+    with PagedCache() as cache:
+        assert torch.equal(greedy_ids(model, ids, cache), expected)
+        pool.audit()
+    pool.decref(held)
+    hf_paged_kv.disable(model)
+
+
+def test_an_expired_entry_does_not_keep_a_fresh_twin_out():
+    model, pool = candidates_model(block_size=16, ttl=10.0)
+    clock = manual_clock(pool)
+    prompt = torch.randint(3, 96, (1, 21), generator=torch.Generator().manual_seed(1))
+    for now in (0.0, 20.0):  # computed again after its entry expired
+        clock[0] = now
+        with PagedCache() as cache:
+            greedy_ids(model, prompt, cache, new=1)
+    before = pool.stats()["hit_tokens_semantic"]
+    with PagedCache() as cache:
+        greedy_ids(model, torch.cat([prompt[:, :20], torch.tensor([[5, 6]])], 1), cache, new=1)
+    assert pool.stats()["hit_tokens_semantic"] - before == 4  # the partial block's 4 tokens, from the fresh entry
+    hf_paged_kv.disable(model)

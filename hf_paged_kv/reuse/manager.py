@@ -64,7 +64,11 @@ class ReuseManager:
                                        self.block_size, partial(self.index.is_fresh, now=self.policy.now()))
             if found is not None:
                 best, table = found
-                extra = table[len(blocks) : -(-best // self.block_size)]
+                table = table[: -(-best // self.block_size)]
+                if table[: len(blocks)] != blocks:  # the entry's blocks continue other copies of the prefix
+                    self.allocator.decref(blocks)
+                    blocks = []
+                extra = table[len(blocks) :]
                 self.allocator.incref(extra)
                 blocks += extra
                 self.counters["hit_tokens_semantic"] += best - length
@@ -190,7 +194,11 @@ class ReuseManager:
         """Offer a finished row to the semantic index (its embedding comes later)."""
         if self.semantic is None:
             return
-        shareable = sequence.shareable_length()
+        shareable, size = sequence.shareable_length(), self.block_size
+        if shareable % size and sequence.blocks[shareable // size] in self.index.metas:
+            # a row cropped inside an indexed full block (prompt lookup's rejected tokens): its KV stays
+            # the index's, which the entry must not hold as a partial block of its own
+            shareable -= shareable % size
         # the digests its full blocks are indexed under now: the tenant's own chain, or the public
         # one of a published prefix it inherited
         indexed = list(itertools.takewhile(lambda meta: meta is not None,

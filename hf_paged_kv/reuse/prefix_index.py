@@ -101,7 +101,9 @@ class PrefixIndex:
             if known is not None and known != block and block not in self.metas and self.continues(known, parent):
                 replacements.append((position, known))
                 block = known
-            elif block not in self.metas and known is None:  # new, or its twin expired: the name moves here
+            # new, or its twin expired or continues another block (its parent expired and was computed
+            # again, here): the name moves here
+            elif block not in self.metas and (known is None or not self.continues(known, parent)):
                 weight = self._revive(digest, now)
                 # the record names the block it continues, so that the tiers tell leaves exactly: the
                 # parent's own digest where the sequence inherited a block published under another

@@ -117,8 +117,9 @@ class SemanticIndex:
         blocks = list(table[: -(-len(tokens) // block_size)])
         now = self.clock()
         with self.lock:
-            if any(e.tenant == tenant and e.model == model and np.array_equal(e.tokens, tokens) for e in self.entries):
-                return None
+            if any(e.tenant == tenant and e.model == model and not (e.expires is not None and now >= e.expires)
+                   and np.array_equal(e.tokens, tokens) for e in self.entries):
+                return None  # an expired twin does not stand in the way
             held = blocks[-1] if len(tokens) % block_size else None
             ttls = [t for t in (self.ttl, pool_ttl) if t is not None]
             expires = now + min(ttls) if ttls else None
