@@ -18,7 +18,7 @@ from .errors import (
     PoolExhaustedError,
     UnsupportedModelError,
 )
-from .integration import disable, enable, pool_of
+from .integration import disable, enable, is_enabled, pool_of
 from .pipeline import pipeline
 from .pool import KVPool
 from .prefixes import cached_tokens, persist, pin, publish, unpin
@@ -28,6 +28,7 @@ from .reuse.pins import PinBudgetError
 __all__ = [
     "enable",
     "disable",
+    "is_enabled",
     "pool_of",
     "publish",
     "pin",

@@ -152,6 +152,11 @@ def disable(model) -> None:
     delattr(model, _STATE_ATTR)
 
 
+def is_enabled(model) -> bool:
+    """Whether `enable(model)` is in effect."""
+    return getattr(model, _STATE_ATTR, None) is not None
+
+
 def pool_of(model) -> KVPool:
     """The pool of an enabled model."""
     return state_of(model).pool

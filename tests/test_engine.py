@@ -632,9 +632,12 @@ def test_a_model_whose_packed_forwards_differ_from_generate_is_refused(arch):
     engine's packed forwards do not: its tokens differed from generate's; the engine refuses it
     at construction (generate with a PagedCache serves it)."""
     model = build(arch)
+    pool = KVPool(num_blocks=32, block_size=4)
     with pytest.raises(UnsupportedModelError, match="than in generate"):
-        Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False)
-    assert_pool_clean(hf_paged_kv.pool_of(model))
+        Engine(model, pool=pool, controller=False)
+    assert_pool_clean(pool)
+    assert not hf_paged_kv.is_enabled(model)  # left as it came: generate with a PagedCache serves it
+    hf_paged_kv.enable(model, pool=pool)
     hf_paged_kv.disable(model)
 
 
@@ -648,3 +651,19 @@ def test_the_packing_check_uses_the_models_own_generation_config_cache():
     with Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False) as engine:
         assert engine.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
     hf_paged_kv.disable(model)
+
+
+def test_the_packing_check_runs_greedy_whatever_the_generation_config_and_without_generate():
+    """The check's reference is one greedy row: a generation config asking for beams compared
+    the winning beam's tokens with the first beam's logits (refused by chance); a model without
+    `generate` is checked with two forwards on a DynamicCache."""
+    for without_generate in (False, True):
+        model = make_model("llama", seed=3)
+        prompt = prompts([9])[0]
+        expected = alone(model, prompt)
+        model.generation_config.num_beams = 4
+        if without_generate:
+            model.generate = None
+        with Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False) as engine:
+            assert engine.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
+        hf_paged_kv.disable(model)

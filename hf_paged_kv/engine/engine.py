@@ -28,8 +28,8 @@ import torch
 
 from .. import arguments
 from ..advisor import Advice, advise_block_size
-from ..errors import PagedKVError
-from ..integration import current_fingerprint, enable, state_of
+from ..errors import PagedKVError, UnsupportedModelError
+from ..integration import current_fingerprint, disable, enable, is_enabled, state_of
 from ..pool import KVPool
 from . import openmp, pacing, runner
 from .admission import Admission
@@ -67,9 +67,15 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         if model.training:  # dropout would make its KV, shared with later requests, random (and the check below)
             raise PagedKVError("the model is in train mode: call model.eval() before serving it")
+        enabled_here = not is_enabled(model)
         self.pool = enable(model, pool=pool, backend=backend)
         self.backend = state_of(model).backend
-        runner.check_packing(model, self.backend, self.pool)
+        try:
+            runner.check_packing(model, self.backend, self.pool)
+        except UnsupportedModelError:
+            if enabled_here:  # a refused model is left as it came
+                disable(model)
+            raise
         self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
                                                             max_waiting=max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)

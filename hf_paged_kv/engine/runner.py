@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import GenerationConfig
+from transformers import DynamicCache, GenerationConfig
 
 from .. import step
 from ..errors import PoolExhaustedError, UnsupportedModelError
@@ -67,8 +67,9 @@ def token_kinds(batch: list[tuple[Request, int]]) -> tuple[int, int]:
 
 # the reference of `check_packing`: two greedy tokens and their raw logits, with the model's own
 # cache (its generation config may name one) whatever its stop tokens
-_TWO_GREEDY_TOKENS = GenerationConfig(max_new_tokens=2, min_new_tokens=2, do_sample=False, output_logits=True,
-                                      return_dict_in_generate=True, pad_token_id=0)
+_TWO_GREEDY_TOKENS = GenerationConfig(max_new_tokens=2, min_new_tokens=2, do_sample=False, num_beams=1,
+                                      num_return_sequences=1, output_logits=True, return_dict_in_generate=True,
+                                      pad_token_id=0)
 
 
 def check_packing(model, backend, pool: KVPool) -> None:
@@ -83,13 +84,12 @@ def check_packing(model, backend, pool: KVPool) -> None:
     for length in (5, 4):
         prompt = torch.randint(0, embeddings.num_embeddings, (1, length), generator=generator).to(embeddings.weight.device)
         try:
-            out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                 generation_config=_TWO_GREEDY_TOKENS)
+            row, logits = _reference(model, prompt)
         except Exception as error:  # noqa: BLE001 - what transformers raises, named in the refusal
             raise UnsupportedModelError(f"{type(model).__name__} could not generate two tokens of a {length}-token "
                                         f"prompt, which the engine checks its packed forwards against: {error!r}") from error
-        rows.append(out.sequences[0, : length + 1].cpu().numpy())  # the prompt and its first token, fed back
-        expected.append(out.logits[1][0].float())
+        rows.append(row)
+        expected.append(logits)
     try:
         packed = _decode_logits(model, backend, pool, rows)
     except PoolExhaustedError:
@@ -101,6 +101,20 @@ def check_packing(model, backend, pool: KVPool) -> None:
                 f"{type(model).__name__} gives other logits in the engine's packed forwards (positions restarting per "
                 "request) than in generate: it positions tokens otherwise or mixes them across the row, so the engine "
                 "cannot batch it; serve it with generate and a PagedCache")
+
+
+def _reference(model, prompt: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+    """The prompt and its first greedy token, and the logits of feeding that token back: from
+    `generate` with the model's own cache, or two forwards on a DynamicCache for a model without it."""
+    if getattr(model, "generate", None) is None:
+        with torch.no_grad():
+            cache = DynamicCache()
+            first = model(input_ids=prompt, past_key_values=cache, use_cache=True).logits[0, -1].argmax()
+            logits = model(input_ids=first.view(1, 1), past_key_values=cache, use_cache=True).logits[0, -1]
+        return torch.cat([prompt[0], first.view(1)]).cpu().numpy(), logits.float()
+    out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), generation_config=_TWO_GREEDY_TOKENS)
+    return out.sequences[0, : prompt.shape[1] + 1].cpu().numpy(), out.logits[1][0].float()
+
 
 def _decode_logits(model, backend, pool: KVPool, rows: list[np.ndarray]) -> torch.Tensor:
     """The logits `[len(rows), vocab]` (float) of each row's last token, fed in a packed decode
