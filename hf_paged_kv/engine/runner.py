@@ -26,20 +26,30 @@ def forward(model, backend, pool: KVPool, batch: list[tuple[Request, int]]) -> t
     """Run `batch` (request, tokens to feed) through `model`; returns the next-token logits
     `[k, vocab]` of the k requests whose fed tokens reach their end, and those requests. The
     sequences' blocks must already be allocated; nothing is committed here."""
-    sequences, counts = [r.sequence for r, _ in batch], [n for _, n in batch]
-    plan = plan_packed(sequences, counts, pool.block_size)
-    with pool.locked():
-        pool.mark_written(plan.slot_mapping)
     ids = np.concatenate([r.tokens()[r.computed : r.computed + n] for r, n in batch])
     positions = np.concatenate([np.arange(r.computed, r.computed + n) for r, n in batch])
     sampled = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens())]
-    keep = plan.q_start[1:][sampled] - 1 if sampled else np.array([len(ids) - 1])
+    counts = [n for _, n in batch]
+    # the last fed position of each sampled request (the forward's last position when none is)
+    keep = np.cumsum(counts)[sampled] - 1 if sampled else np.array([len(ids) - 1])
+    logits = _packed(model, backend, pool, [r.sequence for r, _ in batch], counts, ids, positions, keep)
+    return (logits if sampled else logits[:0]), [batch[i][0] for i in sampled]
+
+
+def _packed(model, backend, pool: KVPool, sequences: list[Sequence], counts: list[int], ids: np.ndarray,
+            positions: np.ndarray, keep: np.ndarray | None = None) -> torch.Tensor:
+    """One packed forward of `ids` at `positions`, `counts[i]` of them for `sequences[i]` (their
+    blocks allocated): the logits of the positions `keep` (every position for None)."""
+    plan = plan_packed(sequences, counts, pool.block_size)
+    with pool.locked():
+        pool.mark_written(plan.slot_mapping)
     device = model.get_input_embeddings().weight.device
+    kept = {} if keep is None else {"logits_to_keep": step.to_device(keep, device)}
     with torch.inference_mode(), step.activate(plan, backend) as active:
         logits = model(input_ids=step.to_device(ids, device)[None], position_ids=step.to_device(positions, device)[None],
-                       use_cache=False, logits_to_keep=step.to_device(keep, device)).logits[0]
+                       use_cache=False, **kept).logits[0]
     active.check_written(len(pool.layers))
-    return (logits if sampled else logits[:0]), [batch[i][0] for i in sampled]
+    return logits
 
 
 def commit(batch: list[tuple[Request, int]]) -> None:
@@ -62,7 +72,6 @@ def token_kinds(batch: list[tuple[Request, int]]) -> tuple[int, int]:
         repeated = max(0, min(request.computed + count - decode, request.reached) - request.computed)
         first, again = first + count - decode - repeated, again + repeated
     return first, again
-
 
 
 # the reference of `check_packing`: two greedy tokens and their raw logits, with the model's own
@@ -119,23 +128,16 @@ def _reference(model, prompt: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
 def _decode_logits(model, backend, pool: KVPool, rows: list[np.ndarray]) -> torch.Tensor:
     """The logits `[len(rows), vocab]` (float) of each row's last token, fed in a packed decode
     after a packed prefill of the rest, on fresh blocks freed after."""
-    sequences, device = [Sequence() for _ in rows], model.get_input_embeddings().weight.device
+    sequences = [Sequence() for _ in rows]
     try:
         for feeds in ([row[:-1] for row in rows], [row[-1:] for row in rows]):
+            counts = [len(fed) for fed in feeds]
             with pool.locked():
-                pool.grow(sequences, [len(fed) for fed in feeds])
-            plan = plan_packed(sequences, [len(fed) for fed in feeds], pool.block_size)
-            with pool.locked():
-                pool.mark_written(plan.slot_mapping)
-            ids = np.concatenate(feeds)
+                pool.grow(sequences, counts)
             positions = np.concatenate([np.arange(s.length, s.length + len(fed)) for s, fed in zip(sequences, feeds)])
-            with torch.inference_mode(), step.activate(plan, backend):
-                logits = model(input_ids=step.to_device(ids, device)[None],
-                               position_ids=step.to_device(positions, device)[None], use_cache=False).logits[0]
+            logits = _packed(model, backend, pool, sequences, counts, np.concatenate(feeds), positions)
             for sequence, fed in zip(sequences, feeds):
-                sequence.tokens.extend(fed.tolist())
-                sequence.length += len(fed)
-                sequence.history.extend(b"\x01" * len(fed))
+                sequence.append(np.ones(len(fed), dtype=bool), fed)
         return logits.float()
     finally:
         with pool.locked():

@@ -97,13 +97,14 @@ class PrefixIndex:
         for position, digest in enumerate(digests, start=first):
             block = table[position]
             known = self.lookup(digest, now)
+            continued = known is not None and self.continues(known, parent)
             # an indexed block stays (its children continue it: a published block the tenant holds a twin of)
-            if known is not None and known != block and block not in self.metas and self.continues(known, parent):
+            if continued and known != block and block not in self.metas:
                 replacements.append((position, known))
                 block = known
             # new, or its twin expired or continues another block (its parent expired and was computed
             # again, here): the name moves here
-            elif block not in self.metas and (known is None or not self.continues(known, parent)):
+            elif block not in self.metas and not continued:
                 weight = self._revive(digest, now)
                 # the record names the block it continues, so that the tiers tell leaves exactly: the
                 # parent's own digest where the sequence inherited a block published under another

@@ -64,6 +64,9 @@ class Entry:
     expires: float | None
     vector: np.ndarray | None = None
 
+    def expired(self, now: float) -> bool:
+        return self.expires is not None and now >= self.expires
+
 
 class SemanticIndex:
     """Embedding-proposed, token-verified prefix candidates.
@@ -117,8 +120,8 @@ class SemanticIndex:
         blocks = list(table[: -(-len(tokens) // block_size)])
         now = self.clock()
         with self.lock:
-            if any(e.tenant == tenant and e.model == model and not (e.expires is not None and now >= e.expires)
-                   and np.array_equal(e.tokens, tokens) for e in self.entries):
+            if any(e.tenant == tenant and e.model == model and not e.expired(now) and np.array_equal(e.tokens, tokens)
+                   for e in self.entries):
                 return None  # an expired twin does not stand in the way
             held = blocks[-1] if len(tokens) % block_size else None
             ttls = [t for t in (self.ttl, pool_ttl) if t is not None]
@@ -148,7 +151,7 @@ class SemanticIndex:
         now = self.clock()
         with self.lock:
             eligible = [e for e in self.entries if e.vector is not None and e.model == model
-                        and e.tenant in (tenant, PUBLIC_TENANT) and not (e.expires is not None and now >= e.expires)]
+                        and e.tenant in (tenant, PUBLIC_TENANT) and not e.expired(now)]
         if not eligible:
             return None
         scores = np.stack([e.vector for e in eligible]) @ vector
