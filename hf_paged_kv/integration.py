@@ -36,7 +36,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import backends, history, prefill, step
+from . import backends, history, packed, prefill, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
 from .model_checks import REFUSED_KWARGS, check_config, probe, rope_length_limit
@@ -341,12 +341,9 @@ def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: s
     if not prefixes:
         return
 
-    def run(plan, tokens, positions):
-        device = input_ids.device
-        with step.activate(plan, state.backend) as active:
-            original(input_ids=step.to_device(tokens, device)[None], position_ids=step.to_device(positions, device)[None],
-                     use_cache=False, logits_to_keep=1)
-        active.check_written(len(state.pool.layers))
+    def run(sequences, counts, tokens):
+        with torch.no_grad():  # only the K/V it stores is wanted
+            packed.run(original, state.backend, state.pool, sequences, counts, tokens, input_ids.device, logits_to_keep=1)
 
     prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
 

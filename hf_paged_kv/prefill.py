@@ -75,7 +75,7 @@ def shared_prefixes(pool: KVPool, model: str, tenant: str, ids: np.ndarray, real
 
 
 def compute_prefixes(pool: KVPool, model: str, tenant: str, prefixes: list[list[int]], run) -> None:
-    """Compute `prefixes` in one packed forward (`run(plan, ids, positions)` runs the model) and
+    """Compute `prefixes` in one packed forward (`run(sequences, counts, ids)` runs it: `packed.run`) and
     leave their blocks cached for the rows that follow. A pool too full for them skips it."""
     sequences = [Sequence() for _ in prefixes]
     with pool.locked():
@@ -90,13 +90,9 @@ def compute_prefixes(pool: KVPool, model: str, tenant: str, prefixes: list[list[
             counts = []
     try:
         if counts and sum(counts):
-            plan = planner.plan_packed(sequences, counts, pool.block_size)
-            with pool.locked():
-                pool.mark_written(plan.slot_mapping)
             # as int64 arrays: a prefix found whole (published, or in a lower tier) adds no ids, and an
             # empty list would make NumPy's concatenation float64
-            run(plan, np.concatenate([np.asarray(t[s.length :], dtype=np.int64) for t, s in zip(prefixes, sequences)]),
-                np.concatenate([np.arange(s.length, len(t)) for t, s in zip(prefixes, sequences)]))
+            run(sequences, counts, np.concatenate([np.asarray(t[s.length :], dtype=np.int64) for t, s in zip(prefixes, sequences)]))
             with pool.locked():
                 for sequence, tokens in zip(sequences, prefixes):
                     sequence.tokens, sequence.length = list(tokens), len(tokens)

@@ -1,10 +1,8 @@
 """One packed forward of the serving engine.
 
 Every scheduled sequence contributes its next tokens – one for a decode, a chunk for a prefill –
-concatenated into a single row `[1, N]` with positions restarting per sequence, as transformers'
-own continuous batching runs its models. No padding is computed, and prefill chunks and decodes
-share the forward. The plan (`planner.plan_packed`) travels to the registered attention function
-through `step.activate`; only the logits of sequences that reach their last token are computed
+concatenated into a single row `[1, N]` with positions restarting per sequence (`packed.run`).
+Prefill chunks and decodes share the forward; only the logits of sequences that reach their last token are computed
 (`logits_to_keep` with their indices).
 """
 
@@ -14,9 +12,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from .. import step
+from .. import packed, step
 from ..errors import PoolExhaustedError, UnsupportedModelError
-from ..planner import plan_packed
 from ..pool import KVPool
 from ..sequence import Sequence
 from .request import Request
@@ -27,29 +24,22 @@ def forward(model, backend, pool: KVPool, batch: list[tuple[Request, int]]) -> t
     `[k, vocab]` of the k requests whose fed tokens reach their end, and those requests. The
     sequences' blocks must already be allocated; nothing is committed here."""
     ids = np.concatenate([r.tokens()[r.computed : r.computed + n] for r, n in batch])
-    positions = np.concatenate([np.arange(r.computed, r.computed + n) for r, n in batch])
     sampled = [i for i, (r, n) in enumerate(batch) if r.computed + n == len(r.tokens())]
     counts = [n for _, n in batch]
     # the last fed position of each sampled request (the forward's last position when none is)
     keep = np.cumsum(counts)[sampled] - 1 if sampled else np.array([len(ids) - 1])
-    logits = _packed(model, backend, pool, [r.sequence for r, _ in batch], counts, ids, positions, keep)
+    logits = _packed(model, backend, pool, [r.sequence for r, _ in batch], counts, ids, keep)
     return (logits if sampled else logits[:0]), [batch[i][0] for i in sampled]
 
 
 def _packed(model, backend, pool: KVPool, sequences: list[Sequence], counts: list[int], ids: np.ndarray,
-            positions: np.ndarray, keep: np.ndarray | None = None) -> torch.Tensor:
-    """One packed forward of `ids` at `positions`, `counts[i]` of them for `sequences[i]` (their
-    blocks allocated): the logits of the positions `keep` (every position for None)."""
-    plan = plan_packed(sequences, counts, pool.block_size)
-    with pool.locked():
-        pool.mark_written(plan.slot_mapping)
+            keep: np.ndarray | None = None) -> torch.Tensor:
+    """The logits of the positions `keep` (every position for None) of a packed forward of
+    `ids`, `counts[i]` of them for `sequences[i]` (their blocks allocated)."""
     device = model.get_input_embeddings().weight.device
     kept = {} if keep is None else {"logits_to_keep": step.to_device(keep, device)}
-    with torch.inference_mode(), step.activate(plan, backend) as active:
-        logits = model(input_ids=step.to_device(ids, device)[None], position_ids=step.to_device(positions, device)[None],
-                       use_cache=False, **kept).logits[0]
-    active.check_written(len(pool.layers))
-    return logits
+    with torch.inference_mode():
+        return packed.run(model, backend, pool, sequences, counts, ids, device, **kept).logits[0]
 
 
 def commit(batch: list[tuple[Request, int]]) -> None:
@@ -134,8 +124,7 @@ def _decode_logits(model, backend, pool: KVPool, rows: list[np.ndarray]) -> torc
             counts = [len(fed) for fed in feeds]
             with pool.locked():
                 pool.grow(sequences, counts)
-            positions = np.concatenate([np.arange(s.length, s.length + len(fed)) for s, fed in zip(sequences, feeds)])
-            logits = _packed(model, backend, pool, sequences, counts, np.concatenate(feeds), positions)
+            logits = _packed(model, backend, pool, sequences, counts, np.concatenate(feeds))
             for sequence, fed in zip(sequences, feeds):
                 sequence.append(np.ones(len(fed), dtype=bool), fed)
         return logits.float()
