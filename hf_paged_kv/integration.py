@@ -25,7 +25,6 @@ import contextvars
 import functools
 import hashlib
 import inspect
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from . import backends, history, packed, prefill, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
+from .fingerprint import InPlaceEdits, model_fingerprint
 from .model_checks import REFUSED_KWARGS, check_config, probe, rope_length_limit
 from .pool import KVPool
 
@@ -78,6 +78,7 @@ class EnabledState:
     config_digest: str
     fingerprint: str
     layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
+    edits: InPlaceEdits  # weights edited in place since enable (hashed whole into the fingerprint)
     checked: float  # when the fingerprint was last taken (monotonic seconds)
     wrapped_before: tuple  # the methods of `_WRAPPED` the model had as instance attributes before enable
     rope_limit: int | None  # positions a forward may span with fixed RoPE frequencies (model_checks.rope_length_limit)
@@ -117,7 +118,8 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         backend_name = backends.choose(backend, [spec.device for spec in layers])
         config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
         params = sorted(model.named_parameters())
-        fingerprint = _fingerprint(model, params, config_digest, pool)
+        edits = InPlaceEdits(params)
+        fingerprint = model_fingerprint(model, params, config_digest, "", pool.block_size, pool.dtype or _model_dtype(model))
         layout = {name: (param.dtype, param.device) for name, param in params}
         pool.bind(layers, _model_dtype(model), fingerprint)
     except BaseException:
@@ -127,7 +129,7 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
     _PAGED.add(id(model.config.get_text_config(decoder=True)))
     original, original_generate = model.forward, getattr(model, "generate", None)
     state = EnabledState(pool, backends.create(backend_name, pool), previous, original, original_generate,
-                         config_digest, fingerprint, layout, time.monotonic(),
+                         config_digest, fingerprint, layout, edits, time.monotonic(),
                          tuple(name for name in _WRAPPED if name in vars(model)), rope_length_limit(model))
     setattr(model, _STATE_ATTR, state)
     model.forward = _paged_forward(model, original)
@@ -182,7 +184,8 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
         return state.fingerprint
     params = sorted(model.named_parameters())
     _refuse_converted(state, params)
-    fingerprint = _fingerprint(model, params, state.config_digest, state.pool)
+    fingerprint = model_fingerprint(model, params, state.config_digest, state.edits.digest(params),
+                                    state.pool.block_size, state.pool.dtype or _model_dtype(model))
     state.checked = time.monotonic()
     if fingerprint != state.fingerprint:
         state.pool.forget_model(state.fingerprint)
@@ -517,38 +520,3 @@ def _refuse_converted(state: EnabledState, params) -> None:
                 f"{param.device}); its pool holds {state.pool.dtype} KV. Call hf_paged_kv.disable(model), then "
                 "enable it again with a new KVPool"
             )
-
-
-def _sample(param: torch.Tensor) -> torch.Tensor:
-    """A strided view of `param` that holds an element of every row (index of dim 0: a token's
-    embedding, a linear layer's output channel) and of every column: the stride is below the row
-    length (no row is stepped over), at most the number of rows (the view has a row's length of
-    elements or more) and coprime to the row length (the sampled column moves on each time). A
-    weight changed in any whole row or column changes the sample, as almost every other update
-    does; 1-D weights are taken whole. About max(rows, columns) elements per matrix: a view, no
-    copy, of a contiguous weight."""
-    flat = param.detach().reshape(-1)
-    row = math.prod(param.shape[1:])
-    stride = max(min(row - 1, param.shape[0] if param.dim() else 1), 1)
-    while math.gcd(stride, row) > 1:
-        stride -= 1
-    return flat[::stride]
-
-
-def _fingerprint(model, params, config_digest: str, pool: KVPool) -> str:
-    """Model identity for the prefix index and the disk tier: class, name, a hash of the full
-    config and of every weight's name, shape, dtype and strided sample (`_sample`: so fine-tunes
-    of one config differ, even in a few rows), dtype and the pool's block size. It depends on the
-    weights' values only, never on which tensor objects hold them, so it is the same after a
-    restart. One device-to-host copy per dtype of the weights (SmolLM2-135M: ~0.3M elements)."""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        by_dtype: dict = {}
-        for name, param in params:
-            by_dtype.setdefault(param.dtype, []).append(_sample(param))
-            digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-        for dtype in sorted(by_dtype, key=str):
-            digest.update(torch.cat(by_dtype[dtype]).cpu().view(torch.uint8).numpy().tobytes())
-    dtype = pool.dtype or _model_dtype(model)
-    return (f"{type(model).__name__}|{model.config.name_or_path}|{config_digest}|{digest.hexdigest()}"
-            f"|block_size={pool.block_size}|dtype={dtype}")

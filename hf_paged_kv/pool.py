@@ -254,7 +254,7 @@ class KVPool:
         """Forget everything computed by the weights with fingerprint `model` (they changed)."""
         with self.locked():
             self.reuse.forget(model=model)
-            self.tiers.forget(model=model)
+            self.tiers.forget_model(model)
 
     # -------------------------------------------------------------------- stats
     def audit(self) -> dict[str, int]:

@@ -12,6 +12,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, PagedKVError
+from hf_paged_kv.fingerprint import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 8
@@ -75,8 +76,17 @@ def negate_key_rows_after_the_first(model):
         layer.self_attn.v_proj.weight[1:] *= 0.5
 
 
+def edit_one_unsampled_weight(model):
+    """One element changed in place, where the fingerprint's strided sample does not look: only
+    the weight's version counter tells."""
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    before = sample(weight).clone()
+    weight.view(-1)[1] += 3.0
+    assert torch.equal(sample(weight), before)
+
+
 @pytest.mark.parametrize("change", [assign_other_weights, replace_key_value_projections, edit_late_embedding_rows,
-                                    negate_key_rows_after_the_first])
+                                    negate_key_rows_after_the_first, edit_one_unsampled_weight])
 def test_changed_weights_never_inherit_the_old_kv(change):
     ids = prompt(40, 3, low=48 if change is edit_late_embedding_rows else 3)  # tokens of the edited rows
     model, ids, pool = cached_then_changed(change, ids=ids)
@@ -94,6 +104,19 @@ def test_equal_weights_assigned_keep_the_cached_kv():
     got, inherited = paged(model, ids)
     assert inherited == 32
     torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+
+
+def test_weights_made_under_inference_mode_have_no_version_to_watch_and_are_served():
+    with torch.inference_mode():
+        model = make_model("llama", seed=1)
+    ids = prompt(20, 3)
+    expected = generate(model, ids, DynamicCache())
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=4))
+    assert paged(model, ids)[1] == 0
+    got, inherited = paged(model, ids)
+    assert inherited == 16
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    hf_paged_kv.disable(model)
 
 
 def test_weights_assigned_in_another_dtype_are_refused():
@@ -156,6 +179,29 @@ def test_disk_kv_of_other_weights_is_not_loaded_after_a_restart(tmp_path):
     got, inherited = paged(second, ids)
     assert inherited == 0
     torch.testing.assert_close(got, reference(second, ids), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")
+def test_weights_changed_in_place_keep_the_old_weights_disk_files_for_a_restart(tmp_path):
+    """The old weights' files are set aside (never served to the new weights), not deleted: a
+    restart, or another process sharing the directory, on the old weights still reuses them."""
+    system = prompt(40, 7)
+    model = make_model("llama", seed=61)
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(model, system[0])
+    with torch.no_grad():
+        merge_adapter(model)
+    ids = torch.cat([system, prompt(6, 8)], 1)
+    got, inherited = paged(model, ids)  # its first forward takes the fingerprint: the weights changed
+    assert inherited == 0
+    assert hf_paged_kv.pool_of(model).stats()["disk_blocks"] == 0
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+    restarted = make_model("llama", seed=61)
+    pool = hf_paged_kv.enable(restarted, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert pool.stats()["disk_blocks"] == 5
+    got, inherited = paged(restarted, ids)
+    assert inherited == 40
+    torch.testing.assert_close(got, reference(restarted, ids), rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------- its cost

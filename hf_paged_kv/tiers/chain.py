@@ -75,9 +75,18 @@ class TierChain:
         if self.host is not None:
             self.host.note_idle(blocks)
 
-    def forget(self, tenant: str | None = None, model: str | None = None) -> int:
-        """Forget (and delete) what the lower tiers hold of `tenant` and/or `model`."""
-        return sum(t.forget(tenant, model) for t in (self.host, self.disk) if t is not None)
+    def forget(self, tenant: str) -> int:
+        """Forget (and delete) what the lower tiers hold of `tenant`."""
+        return ((self.host.forget(tenant=tenant) if self.host is not None else 0)
+                + (self.disk.forget(tenant) if self.disk is not None else 0))
+
+    def forget_model(self, model: str) -> None:
+        """The weights with fingerprint `model` changed: drop their host blocks and set their
+        disk files aside (kept for a restart on those weights, never served here)."""
+        if self.host is not None:
+            self.host.forget(model=model)
+        if self.disk is not None:
+            self.disk.set_aside(model)
 
     def stats(self) -> dict:
         return {k: v for t in (self.host, self.disk) if t is not None for k, v in t.stats().items()}

@@ -243,13 +243,23 @@ class DiskTier:
         """Bytes of every block file in the directory, unusable ones included."""
         return sum(size for _, size, _ in self.catalog.values()) + sum(self.unusable.values())
 
-    def forget(self, tenant: str | None = None, model: str | None = None) -> int:
-        """Delete the files of `tenant` and/or `model`."""
-        doomed = [d for d, (_, _, m) in self.catalog.items()
-                  if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
+    def forget(self, tenant: str) -> int:
+        """Delete the files of `tenant`."""
+        doomed = [d for d, (_, _, m) in self.catalog.items() if m.tenant == tenant]
         for digest in doomed:
             self._delete(digest)
         return len(doomed)
+
+    def set_aside(self, model: str) -> int:
+        """Stop serving the files of `model` (weights this process no longer has) but keep them:
+        they are valid for those weights, which a restart or another process sharing the
+        directory may have. They stay in the byte budget and go first when it is exceeded,
+        like the other unusable files."""
+        aside = [d for d, (_, _, m) in self.catalog.items() if m.model == model]
+        for digest in aside:
+            path, size, _ = self.catalog.pop(digest)
+            self.unusable[path] = size
+        return len(aside)
 
     def stats(self) -> dict:
         return {"disk_blocks": len(self.catalog), "disk_bytes_used": self.used_bytes(),
