@@ -188,7 +188,7 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
                                     state.pool.block_size, state.pool.dtype or _model_dtype(model))
     state.checked = time.monotonic()
     if fingerprint != state.fingerprint:
-        state.pool.forget_model(state.fingerprint)
+        state.pool.change_model(state.fingerprint, fingerprint)
         state.fingerprint = fingerprint
     return fingerprint
 

@@ -86,6 +86,8 @@ class KVPool:
         if self.is_bound:
             if layers != self.layers or (self.dtype or dtype) != self.dtype:
                 raise PagedKVError("this KVPool is already bound to a model with other layer shapes or dtype")
+            with self.locked():  # a second model: its files on disk too
+                self.tiers.serve_model(model)
             return
         # everything that can fail runs before anything is assigned: a failed bind leaves the
         # pool unbound (a retried enable fails the same way instead of using half a pool)
@@ -136,8 +138,10 @@ class KVPool:
             self._evict(count - self.allocator.num_free)
 
     def _ensure_free(self, count: int) -> None:
-        """Evict (and demote) cached blocks until `count` are free, or raise PoolExhaustedError."""
-        self.reserve_check(count)
+        """Evict (and demote) cached blocks until `count` are free, or raise PoolExhaustedError
+        (before evicting anything when even eviction could not make room)."""
+        if count > self.allocator.num_free and count > self.num_available():
+            raise PoolExhaustedError(count, self.num_available(), self.num_blocks)
         self._evict(count - self.allocator.num_free)
         if count > self.allocator.num_free:  # shared semantic blocks did not free as counted
             raise PoolExhaustedError(count, self.allocator.num_free, self.num_blocks)
@@ -165,12 +169,6 @@ class KVPool:
         """Free blocks plus the cached ones eviction could free."""
         with self.locked():
             return self.allocator.num_free + self.reuse.evictable()
-
-    def reserve_check(self, count: int) -> None:
-        """Raise PoolExhaustedError now if `count` blocks could not be allocated."""
-        with self.locked():
-            if count > self.allocator.num_free and count > self.num_available():
-                raise PoolExhaustedError(count, self.num_available(), self.num_blocks)
 
     # ----------------------------------------------------------- block content
     def block_layers(self, block: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -225,10 +223,10 @@ class KVPool:
     # -------------------------------------------------------------- reuse glue
     def promote(self, digest: bytes, model: str, after: int | None = None) -> tuple[int, BlockMeta, str] | None:
         """Bring `digest` back from a lower tier into a fresh referenced device block, after `after` if free."""
-        tier = self.tiers.has(digest)
-        if tier is None or self.num_available() < 1:
+        if self.tiers.has(digest) is None or self.num_available() < 1:
             return None
-        (block,) = self.allocate(1, after)  # may demote other blocks, and push `digest` further down: ask again
+        (block,) = self.allocate(1, after)  # may demote other blocks, and push `digest` further down
+        tier = self.tiers.has(digest)  # where the copy comes from now (counted per tier)
         try:
             meta = self.tiers.promote(digest, model, block, self.block_layers(block))
         except BaseException:  # the copy failed (an I/O error, Ctrl-C): the block goes back
@@ -250,11 +248,13 @@ class KVPool:
             self.tiers.forget(tenant=tenant)
             return self.allocator.num_free - before
 
-    def forget_model(self, model: str) -> None:
-        """Forget everything computed by the weights with fingerprint `model` (they changed)."""
+    def change_model(self, old: str, new: str) -> None:
+        """The weights with fingerprint `old` became `new`: forget what `old` computed (its disk
+        files are set aside, kept for a restart on those weights) and serve `new`'s files."""
         with self.locked():
-            self.reuse.forget(model=model)
-            self.tiers.forget_model(model)
+            self.reuse.forget(model=old)
+            self.tiers.forget_model(old)
+            self.tiers.serve_model(new)
 
     # -------------------------------------------------------------------- stats
     def audit(self) -> dict[str, int]:

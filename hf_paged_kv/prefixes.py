@@ -53,7 +53,8 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
 
 
 def unpin(model, pin: Pin) -> None:
-    """Release a pin; its blocks stay cached (evictable) for reuse."""
+    """Release a pin; its blocks stay cached (evictable) for reuse. A pin already released or
+    expired, or another pool's, changes nothing."""
     pool = pool_of(model)
     with pool.locked():
         pool.reuse.pins.remove(pin)

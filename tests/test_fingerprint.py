@@ -204,6 +204,22 @@ def test_weights_changed_in_place_keep_the_old_weights_disk_files_for_a_restart(
     torch.testing.assert_close(got, reference(restarted, ids), rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")
+def test_weights_that_come_back_are_served_their_disk_files_again(tmp_path):
+    system = prompt(40, 7)
+    model = make_model("llama", seed=61)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(model, system[0])
+    ids = torch.cat([system, prompt(6, 8)], 1)
+    assign_other_weights(model)
+    assert paged(model, ids)[1] == 0  # other weights: the files are set aside
+    model.load_state_dict(make_model("llama", seed=61).state_dict(), assign=True)  # the first weights again
+    got, inherited = paged(model, ids)
+    assert inherited == 40
+    assert pool.stats()["disk_hits"] == 5
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+
+
 # ------------------------------------------------------------------- its cost
 def count_weight_reads(model) -> list:
     """Count the full passes over `model.named_parameters()` (one per fingerprint taken); the

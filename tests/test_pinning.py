@@ -336,3 +336,82 @@ def test_a_tenant_pins_its_prefix_over_a_published_one(model):
         assert cache.inherited == [4 * BLOCK] and cache.block_tables()[0][:4] == pin.blocks
     hf_paged_kv.unpin(model, pin)
     assert_pool_clean(pool)
+
+
+def plain_forward(model, prompt):
+    """A forward outside generate: every position computed, its full blocks indexed."""
+    with PagedCache() as cache, torch.no_grad():
+        model(input_ids=prompt[None], past_key_values=cache)
+
+
+def test_a_pin_whose_digests_name_blocks_of_another_chain_does_not_come_back(model):
+    """A pin gives way; its first block expires and the prefix's first block is computed again
+    (the digest's name moves to the new copy), while its second block, still fresh, continues the
+    expired one. Restored on those two, it held a block whose parent was idle and counted as
+    evictable but could never be evicted: audit failed, and allocating every available block failed."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, pin_budget=0.5, ttl=100))
+    clock = manual_clock(pool)
+    system = tokens(16, 1)
+    plain_forward(model, system[:8])  # the first block, expiring at 100
+    clock[0] = 50.0
+    assert skip_of(model, torch.cat([system, tokens(3, 2)]))[0] == 8  # the second block, expiring at 150
+    pin = hf_paged_kv.pin(model, system)
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.0)
+    clock[0] = 110.0
+    plain_forward(model, system[:8])  # a fresh copy of the first block takes its name
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.5)
+    stats = pool.stats()
+    assert stats["pins"] == [] and stats["pins_refused"] == 1 and stats["pins_given_way"] == 0
+    pool.audit()
+    pool.decref(pool.allocate(pool.num_available()))
+    hf_paged_kv.unpin(model, pin)  # lost already: nothing happens
+    assert_pool_clean(pool)
+
+
+def test_unpinning_another_pools_pin_changes_nothing(model):
+    """Pin ids restart with each pool: a pin of the model's earlier pool (resized by disable and
+    enable) unpinned another pin of the new pool and freed blocks a conversation held."""
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK))
+    old = hf_paged_kv.pin(model, tokens(16, 1))
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK))
+    new = hf_paged_kv.pin(model, tokens(16, 2))
+    assert new.id == old.id
+    hf_paged_kv.unpin(model, old)
+    assert [p["id"] for p in pool.stats()["pins"]] == [new.id] and pool.stats()["blocks_pinned"] == 2
+    hf_paged_kv.unpin(model, new)
+    assert_pool_clean(pool)
+
+
+def test_turn_pins_hold_only_blocks_the_index_offers(model):
+    """Blocks after a hole in a turn's mask are never shared: pinned, they only held memory."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, pin_budget=0.5))
+    ids = tokens(40, 1)[None]
+    mask = torch.ones_like(ids)
+    mask[0, 10] = 0
+    with PagedCache(pin_turns=1) as cache:
+        out = greedy(model, cache, ids, mask, new_tokens=2)
+        turn2 = torch.cat([out, tokens(3, 2)[None]], dim=1)
+        mask2 = torch.cat([mask, torch.ones(1, turn2.shape[1] - ids.shape[1], dtype=torch.long)], 1)
+        got = greedy(model, cache, turn2, mask2, new_tokens=2)
+    assert [(p["reason"], p["blocks"]) for p in pool.stats()["pins"]] == [("turns", 1)]  # the block before the hole
+    hf_paged_kv.disable(model)
+    dynamic = DynamicCache()
+    out = greedy(model, dynamic, ids, mask, new_tokens=2)
+    torch.testing.assert_close(got, greedy(model, dynamic, turn2, mask2, new_tokens=2), rtol=0, atol=0)
+
+
+def test_a_pin_that_gave_way_comes_back_before_lower_priorities_pinned_meanwhile(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
+    high = hf_paged_kv.pin(model, tokens(64, 1), priority=5)  # 8 blocks
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.1)  # 4 blocks: the high pin gives way
+    low = hf_paged_kv.pin(model, tokens(32, 2), priority=0)  # 4 blocks: fits the smaller budget
+    with pool.locked():
+        pool.reuse.pins.set_budget(0.25)
+    assert [p["id"] for p in pool.stats()["pins"]] == [high.id]  # the low one is displaced, as by a new pin
+    hf_paged_kv.unpin(model, high)
+    hf_paged_kv.unpin(model, low)
+    assert_pool_clean(pool)

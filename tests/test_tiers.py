@@ -168,6 +168,31 @@ def test_restarted_process_reuses_persisted_prefix(tmp_path):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")  # each pool first sees the other model's files
+def test_a_pool_shared_by_two_models_serves_each_its_disk_files_after_a_restart(tmp_path):
+    """The directory is read when the first model binds the pool: the second model's files,
+    rejected then as another model's, are served once it binds too."""
+    systems = {61: tokens(24, 7), 64: tokens(24, 8)}
+    first = {seed: make_model("llama", seed=seed) for seed in systems}
+    shared = KVPool(num_blocks=48, block_size=BLOCK, disk_dir=tmp_path)
+    for seed, model in first.items():
+        hf_paged_kv.enable(model, pool=shared)
+        assert hf_paged_kv.persist(model, systems[seed]) == 24
+    restarted = {seed: make_model("llama", seed=seed) for seed in systems}
+    pool = KVPool(num_blocks=48, block_size=BLOCK, disk_dir=tmp_path)
+    for model in restarted.values():
+        hf_paged_kv.enable(model, pool=pool)
+    assert pool.stats()["disk_blocks"] == 6
+    for seed, model in restarted.items():
+        prompt = torch.cat([systems[seed], tokens(6, 9)])
+        skipped, out = request(model, prompt)
+        assert skipped == 24
+        expected = greedy(make_model("llama", seed=seed), DynamicCache(), prompt[None], torch.ones(1, 30, dtype=torch.long),
+                          new_tokens=4)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert pool.stats()["disk_hits"] == 6
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
 def test_damaged_or_foreign_disk_files_are_rejected(tmp_path, damage):
     writer = make_model("llama", seed=62)

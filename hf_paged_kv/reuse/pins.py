@@ -22,10 +22,12 @@ first refusal only (under a full budget they come every step, and the count says
 Pins expire at their TTL.
 
 A lower budget (the load controller halves it under memory pressure) makes pins beyond it give
-way, lowest priority and then oldest first; they come back, highest priority first, when the
-budget grows again, if their blocks are still cached on the device under the same digests (a
-block evicted or demoted to a lower tier in between does not come back: that pin then counts in
-`pins_refused`, as one that never fit does; while it may come back it counts in `pins_given_way`).
+way, lowest priority and then oldest first; they come back, highest priority first (displacing
+lower priorities as a new pin does), when the budget grows again, if their blocks are still
+cached on the device under the same digests and still continue each other (a block evicted or
+demoted to a lower tier in between, or a digest whose name moved to a copy on another chain,
+does not come back: that pin then counts in `pins_refused`, as one that never fit does; while
+it may come back it counts in `pins_given_way`).
 """
 
 from __future__ import annotations
@@ -112,9 +114,12 @@ class PinRegistry:
         return pin
 
     def remove(self, pin: Pin) -> None:
-        """Unpin for good (a pin that gave way to a smaller budget does not come back either)."""
-        self.given_way = [(p, digests) for p, digests in self.given_way if p.id != pin.id]
-        if self.pins.pop(pin.id, None) is not None:
+        """Unpin for good (a pin that gave way to a smaller budget does not come back either). A
+        pin this registry does not hold (released, expired, or another pool's: ids restart per
+        pool) changes nothing."""
+        self.given_way = [(p, digests) for p, digests in self.given_way if p is not pin]
+        if self.pins.get(pin.id) is pin:
+            del self.pins[pin.id]
             self.allocator.decref(pin.blocks)
 
     def pinned_blocks(self, besides: str | None = None) -> set[int]:
@@ -183,23 +188,31 @@ class PinRegistry:
         self._restore()
 
     def _restore(self) -> None:
-        """Pins that gave way come back, highest priority first, while the next one fits (no
-        lower priority passes a higher one), on the device blocks their digests name now."""
+        """Pins that gave way come back, highest priority first, on the device blocks their
+        digests name now, if these still continue each other (a digest's name may have moved to
+        a copy on another chain: such a pin is lost, as one whose KV left the device). One that
+        does not fit displaces lower priorities, as a new pin does; none passes a higher one."""
         now = self.index.policy.now()
         for pin, digests in sorted(self.given_way, key=lambda entry: (-entry[0].priority, entry[0].created)):
             blocks = [self.index.lookup(digest, now) for digest in digests]
             expired = pin.expires is not None and now >= pin.expires
-            if expired or None in blocks:
+            if expired or not self._chained(blocks):
                 self.given_way.remove((pin, digests))
-                if not expired:  # its KV left the device: lost for good, as a refused pin is
+                if not expired:  # lost for good, as a refused pin is
                     self.refused += 1
                 continue
-            if len(self.pinned_blocks() | set(blocks)) > self.budget_blocks:
+            excess = len(self.pinned_blocks() | set(blocks)) - self.budget_blocks
+            if excess > 0 and not self._make_room(excess, pin.priority, set(blocks)):
                 break
             self.given_way.remove((pin, digests))
             pin.blocks = blocks
             self.allocator.incref(blocks)
             self.pins[pin.id] = pin
+
+    def _chained(self, blocks: list[int | None]) -> bool:
+        """Whether `blocks` are all cached and each continues the one before (the first a root)."""
+        return None not in blocks and all(self.index.continues(block, previous)
+                                          for previous, block in zip([None, *blocks], blocks))
 
     def forget(self, which) -> None:
         """Unpin for good the pins `which(pin, blocks)` picks, those that gave way to a smaller
@@ -259,8 +272,11 @@ class TurnPins:
 
     def pin(self, registry: PinRegistry, tenant: str, tables: list[list[int]], lengths: list[int],
             block_size: int) -> None:
-        """Pin each row's whole blocks before `lengths` (under the pool's lock)."""
+        """Pin each row's whole blocks before `lengths` that the prefix index offers (under the
+        pool's lock): blocks after a hole in a row's mask are not shared, and would only hold
+        memory pinned."""
         for table, length in zip(tables, lengths):
-            if length >= block_size:
-                registry.add(table[: length // block_size], tenant, 0, None, "turns")
+            shared = list(itertools.takewhile(registry.index.is_cached, table[: length // block_size]))
+            if shared:
+                registry.add(shared, tenant, 0, None, "turns")
         self.pinned = True

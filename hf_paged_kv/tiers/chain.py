@@ -88,5 +88,11 @@ class TierChain:
         if self.disk is not None:
             self.disk.set_aside(model)
 
+    def serve_model(self, model: str) -> None:
+        """Serve the disk files of `model` that were set aside or belonged to another model when
+        the directory was read."""
+        if self.disk is not None:
+            self.disk.serve(model)
+
     def stats(self) -> dict:
         return {k: v for t in (self.host, self.disk) if t is not None for k, v in t.stats().items()}

@@ -101,21 +101,41 @@ class DiskTier:
         format or another model's files can hold thousands)."""
         rejected: dict[str, list[str]] = {}  # reason -> file names
         for path in sorted(self.directory.glob("*" + SUFFIX)):
-            try:
-                meta = self._parse(path, model, tensors=False)
-            except Exception as error:  # any damage at all: skip the file, never fail
-                reason = str(error) if isinstance(error, RejectedFile) else f"damaged ({type(error).__name__})"
+            reason = self._catalogue(path, model, path.stat().st_size)
+            if reason is not None:
                 rejected.setdefault(reason, []).append(path.name)
-                self.unusable[path] = path.stat().st_size
-                continue
-            self.catalog[meta.digest] = (path, path.stat().st_size, meta)
-            self.contains(meta.digest)  # deletes it if expired
         if rejected:
             count = sum(len(names) for names in rejected.values())
             self.counters["disk_rejects"] += count
             reasons = "; ".join(f"{len(names)} {reason} (e.g. {names[0]})" for reason, names in rejected.items())
             warnings.warn(f"hf_paged_kv disk tier: ignoring {count} block files in {self.directory}: "
                           f"{reasons}; they stay in the byte budget and go first when it is exceeded", stacklevel=3)
+
+    def serve(self, model: str) -> None:
+        """Catalogue the unusable files that are `model`'s: a second model binding the pool, or
+        weights that came back after their files were set aside."""
+        for path, size in list(self.unusable.items()):
+            self._catalogue(path, model, size)
+
+    def set_aside(self, model: str) -> None:
+        """Stop serving the files of `model` (weights this process no longer has) but keep them:
+        they are valid for those weights, which a restart or another process sharing the
+        directory may have. Unusable now, they go first when the byte budget is exceeded."""
+        for digest in [d for d, (_, _, m) in self.catalog.items() if m.model == model]:
+            path, size, _ = self.catalog.pop(digest)
+            self.unusable[path] = size
+
+    def _catalogue(self, path: Path, model: str, size: int) -> str | None:
+        """Catalogue one file of `model` (deleted if expired), or budget it as unusable and say why."""
+        try:
+            meta = self._parse(path, model, tensors=False)
+        except Exception as error:  # any damage at all: skip the file, never fail
+            self.unusable[path] = size
+            return str(error) if isinstance(error, RejectedFile) else f"damaged ({type(error).__name__})"
+        self.unusable.pop(path, None)
+        self.catalog[meta.digest] = (path, size, meta)
+        self.contains(meta.digest)
+        return None
 
     # ---------------------------------------------------------------- write
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
@@ -249,17 +269,6 @@ class DiskTier:
         for digest in doomed:
             self._delete(digest)
         return len(doomed)
-
-    def set_aside(self, model: str) -> int:
-        """Stop serving the files of `model` (weights this process no longer has) but keep them:
-        they are valid for those weights, which a restart or another process sharing the
-        directory may have. They stay in the byte budget and go first when it is exceeded,
-        like the other unusable files."""
-        aside = [d for d, (_, _, m) in self.catalog.items() if m.model == model]
-        for digest in aside:
-            path, size, _ = self.catalog.pop(digest)
-            self.unusable[path] = size
-        return len(aside)
 
     def stats(self) -> dict:
         return {"disk_blocks": len(self.catalog), "disk_bytes_used": self.used_bytes(),
