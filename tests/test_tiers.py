@@ -448,3 +448,26 @@ def test_a_restart_with_another_block_size_says_so(model, tmp_path):
         warnings.simplefilter("always")
         hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
     assert any(f"block_size=16 where this pool has block_size={BLOCK}" in str(w.message) for w in caught)
+
+
+def test_a_promotion_pushed_from_host_to_disk_by_its_own_allocation_counts_as_a_disk_hit(tmp_path):
+    """Promoting a host block takes a device block first, which may demote another block into
+    the full host tier and push the wanted one on to disk: it then comes from disk."""
+    model = make_model("llama", seed=52)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=4, block_size=BLOCK, host_blocks=1, disk_dir=tmp_path,
+                                                 hot_threshold=None))
+    prompt = tokens(9, 1)
+    request(model, prompt, new_tokens=1)
+    seed = 2
+    while hf_paged_kv.cached_tokens(model, prompt[:8])["host"] != 8:  # other requests push it to the host tier
+        request(model, tokens(9, seed), new_tokens=1)
+        seed += 1
+    held = pool.allocate(pool.num_free())  # the promotion's block must come from evicting a cached one
+    skipped, out = request(model, prompt, new_tokens=1)
+    pool.decref(held)
+    stats = pool.stats()
+    assert skipped == 8 and stats["disk_hits"] == 1
+    assert stats["hit_tokens_disk"] == 8 and stats["hit_tokens_host"] == 0
+    hf_paged_kv.disable(model)
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 9, dtype=torch.long), new_tokens=1)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
