@@ -78,6 +78,20 @@ def test_pins_expire_at_their_ttl(model):
     assert_pool_clean(pool)
 
 
+def test_a_pin_ends_when_its_blocks_pass_the_pools_ttl(model):
+    """Blocks past the pool's TTL are never offered again: a pin holding them only held memory."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, ttl=60))
+    clock = manual_clock(pool)
+    system = tokens(40, 13)
+    hf_paged_kv.pin(model, system, ttl=3600)
+    clock[0] = 59.0
+    assert pool.stats()["blocks_pinned"] == 5 and pool.stats()["pins"][0]["expires_in"] == pytest.approx(1.0)
+    clock[0] = 61.0
+    assert pool.stats()["blocks_pinned"] == 0 and pool.stats()["pins"] == []
+    assert skip_of(model, torch.cat([system, tokens(5, 14)]))[0] == 0
+    assert_pool_clean(pool)
+
+
 def test_pin_turns_pins_the_first_turns(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=48, block_size=BLOCK))
     cache = PagedCache(pin_turns=1)

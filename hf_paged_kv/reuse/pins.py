@@ -19,7 +19,8 @@ pinned blocks. A new pin that does not fit displaces pins of strictly lower prio
 first then oldest; if even that cannot make room, an explicit `pin` raises `PinBudgetError`
 and a `turns` or `hot` pin is refused and counted in `pins_refused`, with a warning for the
 first refusal only (under a full budget they come every step, and the count says the rest).
-Pins expire at their TTL.
+Pins expire at their TTL, or when one of their blocks passes the pool's TTL (never offered
+again, it would only hold memory).
 
 A lower budget (the load controller halves it under memory pressure) makes pins beyond it give
 way, lowest priority and then oldest first; they come back, highest priority first (displacing
@@ -127,8 +128,16 @@ class PinRegistry:
         return {b for pin in self.pins.values() if pin.reason != besides for b in pin.blocks}
 
     def expire(self, now: float) -> None:
-        for pin in [p for p in self.pins.values() if p.expires is not None and now >= p.expires]:
+        """Unpin the pins that ended (`ends`)."""
+        for pin in [p for p in self.pins.values() if (end := self.ends(p)) is not None and now >= end]:
             self.remove(pin)
+
+    def ends(self, pin: Pin) -> float | None:
+        """When `pin` ends: at its TTL, or when one of its blocks passes the pool's TTL (never
+        offered again, pinned it would only hold memory); None for never."""
+        metas = [self.index.metas.get(block) for block in pin.blocks]
+        return min([e for e in (pin.expires, *(m.expires for m in metas if m is not None)) if e is not None],
+                   default=None)
 
     def _make_room(self, excess: int, priority: int, keep: set[int]) -> bool:
         """Unpin lower-priority pins (lowest, then oldest, first) until `excess` blocks are
@@ -239,7 +248,7 @@ class PinRegistry:
             "pins_given_way": len(self.given_way),
             "pins": [
                 {"id": p.id, "reason": p.reason, "tenant": p.tenant, "priority": p.priority, "blocks": len(p.blocks),
-                 "tokens": p.tokens, "expires_in": None if p.expires is None else max(0.0, p.expires - now)}
+                 "tokens": p.tokens, "expires_in": None if (end := self.ends(p)) is None else max(0.0, end - now)}
                 for p in self.pins.values()
             ],
         }
