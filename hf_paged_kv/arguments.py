@@ -8,6 +8,7 @@ import math
 import operator
 
 PUBLIC_TENANT = "__public__"  # blocks every tenant may use, only by an explicit publish call
+PRIORITY_LIMIT = 1_000_000
 
 
 def integer(name: str, value) -> int:
@@ -21,8 +22,23 @@ def integer(name: str, value) -> int:
 
 
 def tenant(value) -> str:
+    """A tenant name: non-empty text (UTF-8 encodable: it is hashed into every block digest; a
+    lone surrogate failed the engine's step, for every request in it)."""
     if not isinstance(value, str) or not value or value == PUBLIC_TENANT:
         raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {value!r}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"tenant must be Unicode text, got {value!r} (a lone surrogate)") from None
+    return value
+
+
+def priority(value) -> int:
+    """A priority: an integer within +-PRIORITY_LIMIT (the load controller reports the shed
+    priority as a float gauge; a 400-digit one failed the engine's step)."""
+    value = integer("priority", value)
+    if abs(value) > PRIORITY_LIMIT:
+        raise ValueError(f"priority must be within [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {value}")
     return value
 
 

@@ -103,7 +103,7 @@ class PagedCache(Cache):
         super().__init__(layers=[])
         if pin_turns and not reuse:
             raise ValueError("pin_turns needs reuse=True: pinned turns are only useful to later requests")
-        self.tenant, self.reuse, self.priority = arguments.tenant(tenant), reuse, arguments.integer("priority", priority)
+        self.tenant, self.reuse, self.priority = arguments.tenant(tenant), reuse, arguments.priority(priority)
         self.turn_pins = TurnPins(pin_turns)
         self.sequences: list[Sequence] = []
         self.inherited: list[int] = []  # per row: prompt tokens inherited from cached prefixes

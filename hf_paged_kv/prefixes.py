@@ -44,7 +44,7 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
     pin budget cannot hold it even after displacing lower-priority pins.
     """
     pool = pool_of(model)
-    priority, ttl = arguments.integer("priority", priority), arguments.seconds("ttl", ttl)
+    priority, ttl = arguments.priority(priority), arguments.seconds("ttl", ttl)
     with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
         if not blocks:
             raise ValueError(f"the prefix fills no block of {pool.block_size} tokens; nothing to pin")

@@ -190,26 +190,28 @@ def test_overloaded_engine_sheds_with_retry_after():
 
 
 def test_a_step_that_fails_fails_the_requests_in_flight_and_the_engine_goes_on(monkeypatch):
-    """A bug in a step (here one injected into the load controller's tick) must not kill the
-    scheduler thread and leave every request waiting forever: the requests in flight fail with
-    the error, their blocks go back, and the next request is served."""
+    """A bug in a step (here one injected into the scheduler's choice of the next batch) must not
+    kill the scheduler thread and leave every request waiting forever: the requests in flight
+    fail, told the error's kind (its text may hold another request's data), their blocks go
+    back, and the next request is served."""
     from hf_paged_kv.engine import RequestFailed
 
     model = make_model("llama", seed=6)
     engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8))
-    tick, armed = engine.load.tick, [True]
+    continuing, armed = engine.scheduler.continuing, [True]
 
-    def tick_failing_once():
+    def continuing_failing_once(budget):
         if armed and engine.scheduler.running:
             armed.clear()
-            raise RuntimeError("injected fault")
-        tick()
+            raise RuntimeError("injected fault, tenant 'bob'")
+        return continuing(budget)
 
-    monkeypatch.setattr(engine.load, "tick", tick_failing_once)
+    monkeypatch.setattr(engine.scheduler, "continuing", continuing_failing_once)
     first, second = prompts([9, 12], seed=30)
     with engine:
-        with pytest.raises(RequestFailed, match="injected fault"):
+        with pytest.raises(RequestFailed, match=r"the engine's step failed \(RuntimeError; see the server log\)") as failed:
             engine.submit(first, max_new_tokens=30, eos_token_id=[]).result(timeout=60)
+        assert "bob" not in str(failed.value)
         assert engine.submit(second, max_new_tokens=6).result(timeout=60) == alone(model, second, new=6)
     assert engine.stats()["requests_failed"] == 1
     assert_pool_clean(engine.pool)
@@ -539,13 +541,14 @@ def test_a_request_that_ended_before_its_intake_never_runs(model):
 def test_a_fault_that_repeats_every_pass_does_not_keep_stop_waiting(model, monkeypatch):
     engine = Engine(model, pool=KVPool(num_blocks=16, block_size=8))
 
-    def broken_tick():
-        raise RuntimeError("the load controller's tick fails every time")
+    def broken(*_):
+        raise RuntimeError("fails every time")
 
-    monkeypatch.setattr(engine.load, "tick", broken_tick)
+    monkeypatch.setattr(engine.load, "tick", broken)  # logged once, fails nothing
+    monkeypatch.setattr(engine.scheduler, "continuing", broken)  # fails every step
     with engine:
         handle = engine.submit([5, 6, 7], max_new_tokens=4)
-        with pytest.raises(RequestFailed, match="tick fails"):
+        with pytest.raises(RequestFailed, match="step failed"):
             handle.result(timeout=10)
         engine.stop(drain=False, timeout=10)
     assert engine.thread is None

@@ -173,14 +173,41 @@ def test_training_dropout_is_refused(llama):
         llama(*random_batch(1, 5), past_key_values=PagedCache())
 
 
-@pytest.mark.parametrize("priority", ["high", None, 1.5, True])
+@pytest.mark.parametrize("priority", ["high", None, 1.5, True, -10**400, 1_000_001])
 def test_a_bad_priority_is_refused_where_it_is_given(llama, priority):
-    """Stored on cached blocks, it broke every later eviction of every request on the pool."""
+    """Stored on cached blocks, it broke every later eviction of every request on the pool; a
+    huge one failed the engine's step once the load controller shed by it (a float gauge)."""
+    from hf_paged_kv import Engine
+
+    message = "priority must be within" if isinstance(priority, int) and not isinstance(priority, bool) else \
+        "priority must be an integer"
     pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
-    with pytest.raises(ValueError, match="priority must be an integer"):
+    with pytest.raises(ValueError, match=message):
         PagedCache(priority=priority)
-    with pytest.raises(ValueError, match="priority must be an integer"):
+    with pytest.raises(ValueError, match=message):
         hf_paged_kv.pin(llama, torch.arange(3, 19), priority=priority)
+    engine = Engine(llama, pool=pool)
+    with engine, pytest.raises(ValueError, match=message):
+        engine.submit([5, 6, 7], max_new_tokens=2, priority=priority)
+    assert engine.stats()["requests_failed"] == 0
+    assert_pool_clean(pool)
+
+
+@pytest.mark.parametrize("tenant", ["", None, 7, "bob\ud83d"])
+def test_a_bad_tenant_is_refused_where_it_is_given(llama, tenant):
+    """A lone surrogate (JSON allows one) cannot be hashed into a block digest: it failed the
+    engine's step, and every request in it."""
+    from hf_paged_kv import Engine
+
+    pool = hf_paged_kv.enable(llama, pool=KVPool(num_blocks=32, block_size=8))
+    with pytest.raises(ValueError, match="tenant must be"):
+        PagedCache(tenant=tenant)
+    engine = Engine(llama, pool=pool)
+    with engine:
+        with pytest.raises(ValueError, match="tenant must be"):
+            engine.submit([5, 6, 7], max_new_tokens=2, tenant=tenant)
+        assert len(engine.submit([5, 6, 7], max_new_tokens=2).result(timeout=60)) == 2
+    assert engine.stats()["requests_failed"] == 0
     assert_pool_clean(pool)
 
 

@@ -171,3 +171,26 @@ def test_persist_reports_only_what_reached_the_disk(tmp_path):
         assert hf_paged_kv.persist(model, tokens(2 * BLOCK, 13)) == 0
     assert_pool_clean(pool)
     hf_paged_kv.disable(model)
+
+
+def test_a_fault_in_the_load_controller_fails_no_request(monkeypatch, caplog):
+    """The controller adapts the service: a fault in its tick (its metrics once raised on a huge
+    priority) is logged once and the engine serves on with its knobs as they are."""
+    from hf_paged_kv import Engine
+
+    model = make_model("llama", seed=3)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8))
+
+    def broken_tick():
+        raise OverflowError("int too large to convert to float")
+
+    monkeypatch.setattr(engine.load, "tick", broken_tick)
+    with engine:
+        handles = [engine.submit([5 + i, 6, 7, 8], max_new_tokens=4, eos_token_id=[]) for i in range(3)]
+        assert [len(h.result(timeout=60)) for h in handles] == [4, 4, 4]
+    stats = engine.stats()
+    assert stats["requests_failed"] == 0 and stats["requests_finished"] == 3
+    assert engine.tick_failed
+    assert sum("load controller's tick failed" in r.message for r in caplog.records) == 1
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)

@@ -323,6 +323,35 @@ def test_errors_name_the_field_at_fault(served):
     assert error("/v1/completions", json=[1, 2])["param"] is None
 
 
+def test_a_lone_surrogate_or_an_unbounded_priority_is_a_400_for_that_request_alone(served, client):
+    """JSON lets a string hold a lone surrogate (text cut inside an emoji): in `user` it reached
+    the engine as a tenant that no digest could encode, and the step failed every request in it,
+    each told the other's user name; in the prompt, messages or model it was a 500. A 400-digit
+    X-Priority failed every request once the controller shed by it."""
+    url, engine = served[1], served[0]
+    failed = engine.stats()["requests_failed"]
+    streaming = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=24, stream=True,
+                                          extra_body={"ignore_eos": True})
+    raw = {"content-type": "application/json"}
+    bodies = [('/v1/completions', '{"model": "%s", "prompt": "w05", "user": "bob\\ud83d"}' % NAME, "body.user"),
+              ('/v1/completions', '{"model": "%s", "prompt": "w05 \\ud83d"}' % NAME, "body.prompt"),
+              ('/v1/completions', '{"model": "m\\udc00", "prompt": "w05"}', "body.model"),
+              ('/v1/chat/completions', '{"model": "%s", "messages": [{"role": "user", "content": "\\ud83d"}]}' % NAME,
+               "body.messages[0].content"),
+              ('/v1/chat/completions', '{"model": "%s", "messages": [{"\\ud83d": "user"}]}' % NAME,
+               "a key of body.messages[0]")]
+    for route, body, where in bodies:
+        answer = httpx.post(url + route, content=body.encode(), headers=raw)
+        assert answer.status_code == 400, answer.text
+        assert f"{where} holds a lone surrogate" in answer.json()["error"]["message"]
+    answer = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "max_tokens": 2},
+                        headers={"X-Priority": "-" + "9" * 400})
+    assert answer.status_code == 400 and "priority must be within" in answer.json()["error"]["message"]
+    chunks = list(streaming)  # the request beside them was served whole
+    assert len("".join(c.choices[0].text for c in chunks).split()) == 24 and chunks[-1].choices[0].finish_reason == "length"
+    assert engine.stats()["requests_failed"] == failed
+
+
 def test_chat_history_sent_back_as_the_client_received_it(client):
     """An answer's message `model_dump()`-ed into the next request carries the fields of an
     answer this server never fills (refusal, tool_calls, ...), empty: they are dropped. A field

@@ -91,6 +91,7 @@ class Engine:
         self.gate = threading.Lock()  # a submit either queues before stop() stops accepting, or is refused
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
+        self.tick_failed = False  # the load controller's tick raised once (logged once)
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
         # prompt + max_new_tokens a request may have (None: the model's context): its forwards then
         # feed positions below the RoPE limit (model_checks.rope_length_limit)
@@ -173,13 +174,14 @@ class Engine:
         while self.accepting or (self.draining and self._busy()):
             try:
                 self._intake()
-                self.load.tick()
+                self._tick()
                 if self.step():
                     idle = False
                     continue
             except Exception as error:  # noqa: BLE001 - a step that fails must not leave requests waiting forever
                 log.exception("the engine's step failed: every request running or waiting fails, the engine goes on")
-                self.outcomes.end_all("failed", f"the engine's step failed: {error!r}")
+                # the error's text may hold another request's data: its kind only, the log has the rest
+                self.outcomes.end_all("failed", f"the engine's step failed ({type(error).__name__}; see the server log)")
             if not idle:  # going idle: free the cores' OpenMP workers for other threads (see openmp)
                 openmp.release_workers()
                 idle = True
@@ -190,6 +192,16 @@ class Engine:
         finally:
             self.outcomes.end_all("cancelled")
             self.load.stop()
+
+    def _tick(self) -> None:
+        """The load controller's tick. A fault in it is logged once and fails no request: the
+        engine goes on with the knobs as they are."""
+        try:
+            self.load.tick()
+        except Exception:  # noqa: BLE001 - the controller adapts the service; it must not end it
+            if not self.tick_failed:
+                log.exception("the load controller's tick failed; the engine goes on with its knobs as they are")
+            self.tick_failed = True
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()

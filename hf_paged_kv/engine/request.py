@@ -156,7 +156,7 @@ class Request:
     def __post_init__(self):
         # checked in the submitter's thread: a bad value found by the engine's thread would fail
         # every request of the step that met it
-        self.tenant, self.priority = arguments.tenant(self.tenant), arguments.integer("priority", self.priority)
+        self.tenant, self.priority = arguments.tenant(self.tenant), arguments.priority(self.priority)
 
     def ask_to_stop(self, outcome: str) -> None:
         """A caller's wish to stop it: "cancelled", or "finished" when it has what it wants. The

@@ -49,7 +49,7 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Overloaded, PagedKVError
@@ -135,6 +135,16 @@ class GenerationRequest(BaseModel):
     return_token_ids: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
 
+    @model_validator(mode="before")
+    @classmethod
+    def text_only(cls, data):
+        """JSON lets a string hold a lone surrogate (a client that cut text inside an emoji),
+        which no tokenizer, block digest or response can encode: a 400 naming the field."""
+        where = unencodable(data)
+        if where is not None:
+            raise ValueError(f"{where} holds a lone surrogate (\\ud800-\\udfff), which is not Unicode text")
+        return data
+
     def max_tokens_field(self) -> str:
         """The field that set the completion's length, as errors about it name it."""
         return "max_tokens"
@@ -151,6 +161,31 @@ class ChatRequest(GenerationRequest):
 
     def max_tokens_field(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+
+
+def unencodable(value, where: str = "body") -> str | None:
+    """Where the first string (or key) in `value` that UTF-8 cannot encode is, else None."""
+    if isinstance(value, str):
+        return None if encodable(value) else where
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not encodable(str(key)):
+                return f"a key of {where}"  # never echoed: the response could not encode it either
+            if (found := unencodable(item, f"{where}.{key}")) is not None:
+                return found
+    if isinstance(value, list):
+        for index, item in enumerate(value):
+            if (found := unencodable(item, f"{where}[{index}]")) is not None:
+                return found
+    return None
+
+
+def encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def check_extras(body: GenerationRequest, neutral: dict) -> None:
