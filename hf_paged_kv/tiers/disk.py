@@ -26,7 +26,9 @@ memory. A block keeps its expiry: an expired file is deleted, never loaded, and 
 `disk_expirations`; with a TTL, a file older than the TTL counts as expired when the directory
 is read.
 
-The directory has a byte budget covering every block file in it. When a write exceeds it,
+The directory has a byte budget covering every block file this pool knows of: those it found
+when it read the directory and those it wrote (another process writing to the same directory
+is not seen, so two of them can exceed it together: give each its own). When a write exceeds it,
 files this pool cannot use (another model's, damaged ones) go first, then expired files and
 leaves of lowest value (the same value as in memory, see `host.droppable`: a lookup stops at the
 first missing block, so an inner block never goes before its continuations), and the new file
