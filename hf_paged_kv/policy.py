@@ -17,6 +17,7 @@ settings a load controller may retune (half-life, TTL) and picks victims.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Iterable, Mapping
@@ -86,6 +87,14 @@ class Policy:
 
     def value(self, meta: BlockMeta, now: float) -> float:
         return meta.value(now, self.half_life)
+
+    def rank(self, meta: BlockMeta) -> float:
+        """`log2 value(now)` less a term that depends on `now` alone: every unexpired block's
+        value decays at the same rate, so ranks order blocks as their values do at any time
+        (for this half-life), and a rank taken once stays valid."""
+        priority = max(-MAX_PRIORITY, min(MAX_PRIORITY, meta.priority))
+        return (math.log2(max(meta.weight, 1e-300)) + meta.last_access / self.half_life + math.log2(meta.depth + 1)
+                + priority)
 
     def evict(
         self,

@@ -22,6 +22,7 @@ from typing import Hashable, Mapping
 import torch
 
 from ..policy import BlockMeta, Policy
+from .leaves import LeafQueue
 
 
 def droppable(metas: Mapping[Hashable, BlockMeta], now: float) -> list[Hashable]:
@@ -48,6 +49,7 @@ class HostTier:
         self.by_digest: dict[bytes, int] = {}
         self.metas: dict[int, BlockMeta] = {}
         self.free_slots = list(range(num_blocks - 1, -1, -1))
+        self.leaves = LeafQueue(policy)  # which slot leaves when the tier is full
         self.counters = dict.fromkeys(("demotions", "promotions", "host_drops", "copy_bytes"), 0) | {"copy_seconds": 0.0}
 
     def full(self) -> bool:
@@ -63,14 +65,14 @@ class HostTier:
             host_v[slot].copy_(value)
         self._account(start)
         self.by_digest[meta.digest], self.metas[slot] = slot, meta
+        self.leaves.add(slot, meta)
         self.counters["demotions"] += 1
 
     def lowest(self) -> tuple[BlockMeta, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Remove the lowest-value leaf (see `droppable`); returns its metadata and data (views,
-        valid until the next store) for the next tier down."""
-        now, found = self.policy.now(), []
-        self.policy.evict(self.metas, droppable(self.metas, now), 1, found.append, now)
-        slot = found[0]
+        """Remove an expired block or the lowest-value leaf (see `droppable`; found by
+        `LeafQueue` without a scan); returns its metadata and data (views, valid until the next
+        store) for the next tier down."""
+        slot = self.leaves.lowest(self.policy.now())
         meta = self.metas[slot]
         layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]
         self._remove(slot)
@@ -143,4 +145,5 @@ class HostTier:
     def _remove(self, slot: int) -> None:
         meta = self.metas.pop(slot)
         del self.by_digest[meta.digest]
+        self.leaves.remove(slot, meta)
         self.free_slots.append(slot)

@@ -1,0 +1,56 @@
+"""`LeafQueue` picks, without scanning, the block a tier drops next: it must pick what a scan
+of the tier picks (`droppable`, lowest value first, expired blocks first) whatever the adds,
+removals, clock and half-life."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hf_paged_kv.policy import BlockMeta, Policy
+from hf_paged_kv.tiers.host import droppable
+from hf_paged_kv.tiers.leaves import LeafQueue
+
+
+def scanned_value(held: dict, policy: Policy, now: float) -> float:
+    """The value of the block a scan would drop: the lowest of the droppable ones."""
+    return min(held[k].value(now, policy.half_life) for k in droppable(held, now))
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_queue_picks_what_a_scan_picks(seed):
+    rng = random.Random(seed)
+    clock = [0.0]
+    policy = Policy(half_life=rng.choice([5.0, 60.0]), clock=lambda: clock[0])
+    queue, held, digests = LeafQueue(policy), {}, [b"root"]
+    for step in range(400):
+        clock[0] += rng.random() * 3
+        action = rng.random()
+        if action < 0.5 or not held:  # a block arrives, continuing one held, gone or its namespace root
+            digest = bytes([seed, step % 256, step // 256])
+            parent = rng.choice(digests[-20:])
+            meta = BlockMeta(digest, "t", rng.randrange(8), "m", weight=rng.choice([0.1, 1.0, 3.0]),
+                             last_access=clock[0] - rng.random() * 20, priority=rng.randrange(-2, 3),
+                             expires=clock[0] + rng.random() * 60 if rng.random() < 0.3 else None, parent=parent)
+            key = rng.randrange(10**9)
+            queue.add(key, meta)
+            held[key] = meta
+            digests.append(digest)
+        elif action < 0.7:  # a block leaves by another way (promoted, forgotten)
+            key = rng.choice(list(held))
+            queue.remove(key, held.pop(key))
+        elif action < 0.75:  # the controller retunes the half-life
+            policy.half_life = rng.choice([2.0, 30.0, 600.0])
+        else:  # the tier is full: its next victim leaves
+            expected = scanned_value(held, policy, clock[0])
+            key = queue.lowest(clock[0])
+            assert key in droppable(held, clock[0])
+            assert held[key].value(clock[0], policy.half_life) == pytest.approx(expected, rel=1e-9)
+            queue.remove(key, held.pop(key))
+    while held:
+        key = queue.lowest(clock[0])
+        assert held[key].value(clock[0], policy.half_life) == pytest.approx(scanned_value(held, policy, clock[0]),
+                                                                             rel=1e-9)
+        queue.remove(key, held.pop(key))
+    assert queue.lowest(clock[0]) is None
