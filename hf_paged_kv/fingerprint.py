@@ -5,14 +5,16 @@ A fingerprint hashes the config, every weight's name, shape and dtype and a stri
 its values (`sample`), about 13 ms for SmolLM2-135M in fp32 on a 2-core CPU, and is re-taken at
 each turn. A sample can miss an edit of a few elements (one weight changed in place), so the
 weights' version counters are watched as well (`InPlaceEdits`): a weight edited in place since
-`enable` is hashed whole. Both depend on values only, never on which tensor objects hold them,
-so the same weights give the same fingerprint after a restart and reuse their disk tier.
+`enable` gives the model a token of its own. Unedited, the fingerprint depends on the values
+only, never on which tensor objects hold them, so the same weights give the same fingerprint
+after a restart and reuse their disk tier.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import weakref
 
 import torch
@@ -20,8 +22,8 @@ import torch
 
 def model_fingerprint(model, params, config_digest: str, edits: str, block_size: int, dtype: torch.dtype) -> str:
     """Model identity for the prefix index and the disk tier: class, name, the config's digest,
-    a hash of every weight's name, shape, dtype and sample, the digest of in-place edits
-    (`InPlaceEdits.digest`), the pool's block size and dtype. One device-to-host copy per dtype
+    a hash of every weight's name, shape, dtype and sample, the token of in-place edits
+    (`InPlaceEdits.token`), the pool's block size and dtype. One device-to-host copy per dtype
     of the weights (SmolLM2-135M: ~0.3M elements)."""
     digest = hashlib.blake2b(digest_size=16)
     with torch.no_grad():
@@ -58,31 +60,36 @@ class InPlaceEdits:
     copying into them, an optimizer step). Usage, at each fingerprint::
 
         edits = InPlaceEdits(model.named_parameters())   # at enable
-        edits.digest(model.named_parameters())           # "" until a weight is edited in place
+        edits.token(model.named_parameters())            # "" until a weight is edited in place
 
-    A tensor swapped in (`assign=True`, a replaced module) is watched from when it is first seen:
-    its sample tells it apart. Edits through `.data` bypass the counter and are not seen, nor
-    are weights created under `torch.inference_mode` (they have no counter)."""
+    An edit gives the model a token of its own, random and new at each edit, so its KV is
+    shared only with itself, in this process: hashing the edited weights whole instead would
+    read them all again after every optimizer step of a training loop that generates between
+    steps. A tensor swapped in (`assign=True`, a replaced module) is watched from when it is
+    first seen: its sample tells it apart. Edits through `.data` bypass the counter and are not
+    seen, nor are weights created under `torch.inference_mode` (they have no counter)."""
 
     def __init__(self, params):
         self._seen: dict[str, tuple[weakref.ref, int | None]] = {}
-        self._last: tuple[tuple, str] = ((), "")  # (edited weights and their versions, their digest)
-        self.digest(params)
+        self._swapped = 0  # tensors swapped in under a known name: equal versions then mean other weights
+        self._last: tuple[tuple, str] = ((), "")  # (what was edited, its token)
+        self.token(params)
 
-    def digest(self, params) -> str:
-        """A hash of the whole values of every weight edited in place ("" for none), re-hashed
-        only when a version changed since the last call."""
+    def token(self, params) -> str:
+        """The token of the weights' in-place edits ("" for none): the same while no version
+        changes, a new one after any edit."""
         edited = []
         for name, param in params:
             version = _version(param)
             seen = self._seen.get(name)
             if seen is None or seen[0]() is not param:
+                self._swapped += seen is not None
                 self._seen[name] = (weakref.ref(param), version)
             elif version != seen[1]:
-                edited.append((name, param, version))
-        versions = tuple((name, version) for name, _, version in edited)
-        if versions != self._last[0]:
-            self._last = (versions, _whole_digest([(name, param) for name, param, _ in edited]))
+                edited.append((name, version))
+        key = (self._swapped, *edited) if edited else ()
+        if key != self._last[0]:
+            self._last = (key, secrets.token_hex(8) if edited else "")
         return self._last[1]
 
 
@@ -91,14 +98,3 @@ def _version(param: torch.Tensor) -> int | None:
         return param._version
     except RuntimeError:  # an inference tensor keeps no version counter
         return None
-
-
-def _whole_digest(params) -> str:
-    if not params:
-        return ""
-    digest = hashlib.blake2b(digest_size=16)
-    with torch.no_grad():
-        for name, param in params:
-            digest.update(name.encode())
-            digest.update(param.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()

@@ -78,7 +78,7 @@ class EnabledState:
     config_digest: str
     fingerprint: str
     layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
-    edits: InPlaceEdits  # weights edited in place since enable (hashed whole into the fingerprint)
+    edits: InPlaceEdits  # weights edited in place since enable (a token of their own in the fingerprint)
     checked: float  # when the fingerprint was last taken (monotonic seconds)
     wrapped_before: tuple  # the methods of `_WRAPPED` the model had as instance attributes before enable
     rope_limit: int | None  # positions a forward may span with fixed RoPE frequencies (model_checks.rope_length_limit)
@@ -184,7 +184,7 @@ def current_fingerprint(model, max_age: float = 0.0) -> str:
         return state.fingerprint
     params = sorted(model.named_parameters())
     _refuse_converted(state, params)
-    fingerprint = model_fingerprint(model, params, state.config_digest, state.edits.digest(params),
+    fingerprint = model_fingerprint(model, params, state.config_digest, state.edits.token(params),
                                     state.pool.block_size, state.pool.dtype or _model_dtype(model))
     state.checked = time.monotonic()
     if fingerprint != state.fingerprint:

@@ -97,6 +97,23 @@ def test_changed_weights_never_inherit_the_old_kv(change):
     torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
 
 
+def test_a_weight_swapped_in_beside_one_edited_in_place_changes_the_fingerprint():
+    """Once a weight is edited in place the fingerprint carries a token, kept while no version
+    changes; a tensor swapped in meanwhile (its version its own) must still change it when the
+    sample cannot tell it from its predecessor."""
+    model, ids, pool = cached_then_changed(edit_one_unsampled_weight)
+    assert paged(model, ids)[1] == 0
+    assert paged(model, ids)[1] == 32  # cached for the edited weights
+    other = model.model.layers[1].self_attn.k_proj
+    swapped = other.weight.detach().clone()
+    swapped.view(-1)[1] -= 3.0  # where the sample does not look
+    other.weight = torch.nn.Parameter(swapped)
+    got, inherited = paged(model, ids)
+    assert inherited == 0
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+    assert_pool_clean(pool)
+
+
 def test_equal_weights_assigned_keep_the_cached_kv():
     """The fingerprint is of the values, not of the tensor objects: reloading the same weights
     (or restarting the process) keeps what they computed."""
