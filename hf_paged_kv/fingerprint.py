@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import secrets
+import threading
 import weakref
 
 import torch
@@ -55,42 +56,56 @@ def sample(param: torch.Tensor) -> torch.Tensor:
 
 
 class InPlaceEdits:
-    """The weights edited in place since they were first seen, by their version counters (torch
-    counts every in-place change: `with torch.no_grad(): w[3, 7] += 1`, `load_state_dict`
-    copying into them, an optimizer step). Usage, at each fingerprint::
+    """Whether a model's weights were edited in place, by their version counters (torch counts
+    every in-place change: `with torch.no_grad(): w[3, 7] += 1`, `load_state_dict` copying into
+    them, an optimizer step). Usage, at each fingerprint::
 
-        edits = InPlaceEdits(model.named_parameters())   # at enable
+        edits = InPlaceEdits()                           # one per model, kept across disable/enable
         edits.token(model.named_parameters())            # "" until a weight is edited in place
 
-    An edit gives the model a token of its own, random and new at each edit, so its KV is
-    shared only with itself, in this process: hashing the edited weights whole instead would
-    read them all again after every optimizer step of a training loop that generates between
-    steps. A tensor swapped in (`assign=True`, a replaced module) is watched from when it is
-    first seen: its sample tells it apart. Edits through `.data` bypass the counter and are not
-    seen, nor are weights created under `torch.inference_mode` (they have no counter)."""
+    An edit gives the weights a token of their own, new at each later edit, so their KV is
+    shared only with themselves, in this process (`is_local`): hashing the edited weights whole
+    instead would read them all again after every optimizer step of a training loop that
+    generates between steps. Once a weight was edited, the token stays, and a tensor swapped in
+    (`assign=True`, a replaced module) renews it: its version restarts, and the sample cannot
+    tell edited values from the ones before the edit. Before any edit, a swapped-in tensor is
+    told apart by its sample alone, unless it holds the old one's storage (and its version
+    counter), as `load_state_dict(model.state_dict(), assign=True)` gives. Edits through `.data` bypass the counter and are not seen,
+    nor are weights created under `torch.inference_mode` (they have no counter)."""
 
-    def __init__(self, params):
-        self._seen: dict[str, tuple[weakref.ref, int | None]] = {}
-        self._swapped = 0  # tensors swapped in under a known name: equal versions then mean other weights
-        self._last: tuple[tuple, str] = ((), "")  # (what was edited, its token)
-        self.token(params)
+    def __init__(self):
+        self._seen: dict[str, tuple[weakref.ref, int, int | None]] = {}  # name -> (tensor, its storage, version)
+        self._edited = False
+        self._generation = 0  # counts the changes seen since the first edit
+        self._salt = secrets.token_hex(8)  # tokens of one model in this process only
+        self._lock = threading.Lock()  # two threads taking a fingerprint must agree on the token
 
     def token(self, params) -> str:
-        """The token of the weights' in-place edits ("" for none): the same while no version
-        changes, a new one after any edit."""
-        edited = []
-        for name, param in params:
-            version = _version(param)
-            seen = self._seen.get(name)
-            if seen is None or seen[0]() is not param:
-                self._swapped += seen is not None
-                self._seen[name] = (weakref.ref(param), version)
-            elif version != seen[1]:
-                edited.append((name, version))
-        key = (self._swapped, *edited) if edited else ()
-        if key != self._last[0]:
-            self._last = (key, secrets.token_hex(8) if edited else "")
-        return self._last[1]
+        """The token of the weights' in-place edits ("" for none): the same while nothing
+        changes, a new one after any edit, or a tensor swapped in once one was edited."""
+        with self._lock:
+            changed = False
+            for name, param in params:
+                version, storage = _version(param), param.data_ptr()
+                seen = self._seen.get(name)
+                # a tensor swapped in on the same storage (`load_state_dict(model.state_dict(),
+                # assign=True)`) shares the old one's version counter: compared as the same tensor
+                swapped = seen is not None and seen[0]() is not param and storage != seen[1]
+                edited = seen is not None and not swapped and version != seen[2]
+                self._edited = self._edited or edited
+                changed = changed or edited or swapped
+                if seen is None or swapped or edited or seen[0]() is not param:
+                    self._seen[name] = (weakref.ref(param), storage, version)
+            if not self._edited:
+                return ""
+            self._generation += changed
+            return f"{self._salt}.{self._generation}"
+
+
+def is_local(fingerprint: str) -> bool:
+    """Whether `fingerprint` is of weights edited in place: known to this process only, its KV
+    is of no use to another process or a restart."""
+    return "|edited=" in fingerprint
 
 
 def _version(param: torch.Tensor) -> int | None:

@@ -27,6 +27,7 @@ import hashlib
 import inspect
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,6 +66,10 @@ class _GenerateCall:
     begun: bool = False
 
 
+# each model's in-place edits, kept across disable and enable: edited weights re-enabled must
+# not take the unedited weights' fingerprint (their sample may not tell them apart)
+_EDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 _CALL: contextvars.ContextVar[_GenerateCall | None] = contextvars.ContextVar("hf_paged_kv_call", default=None)
 
 
@@ -78,7 +83,7 @@ class EnabledState:
     config_digest: str
     fingerprint: str
     layout: dict  # weight name -> (dtype, device) at enable: a weight converted or moved later is refused
-    edits: InPlaceEdits  # weights edited in place since enable (a token of their own in the fingerprint)
+    edits: InPlaceEdits  # weights edited in place (a token of their own in the fingerprint)
     checked: float  # when the fingerprint was last taken (monotonic seconds)
     wrapped_before: tuple  # the methods of `_WRAPPED` the model had as instance attributes before enable
     rope_limit: int | None  # positions a forward may span with fixed RoPE frequencies (model_checks.rope_length_limit)
@@ -118,8 +123,9 @@ def enable(model, pool: KVPool | None = None, backend: str = "auto") -> KVPool:
         backend_name = backends.choose(backend, [spec.device for spec in layers])
         config_digest = hashlib.blake2b(model.config.to_json_string(use_diff=False).encode(), digest_size=16).hexdigest()
         params = sorted(model.named_parameters())
-        edits = InPlaceEdits(params)
-        fingerprint = model_fingerprint(model, params, config_digest, "", pool.block_size, pool.dtype or _model_dtype(model))
+        edits = _EDITS.setdefault(model, InPlaceEdits())  # edits made before a disable still count
+        fingerprint = model_fingerprint(model, params, config_digest, edits.token(params), pool.block_size,
+                                        pool.dtype or _model_dtype(model))
         layout = {name: (param.dtype, param.device) for name, param in params}
         pool.bind(layers, _model_dtype(model), fingerprint)
     except BaseException:

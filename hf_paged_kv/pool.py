@@ -249,12 +249,11 @@ class KVPool:
             return self.allocator.num_free - before
 
     def change_model(self, old: str, new: str) -> None:
-        """The weights with fingerprint `old` became `new`: forget what `old` computed (its disk
-        files are set aside, kept for a restart on those weights) and serve `new`'s files."""
+        """The weights with fingerprint `old` became `new`: forget what `old` computed (see
+        `TierChain.change_model` for its disk files) and serve `new`'s files."""
         with self.locked():
             self.reuse.forget(model=old)
-            self.tiers.forget_model(old)
-            self.tiers.serve_model(new)
+            self.tiers.change_model(old, new)
 
     # -------------------------------------------------------------------- stats
     def audit(self) -> dict[str, int]:

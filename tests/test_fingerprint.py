@@ -114,6 +114,62 @@ def test_a_weight_swapped_in_beside_one_edited_in_place_changes_the_fingerprint(
     assert_pool_clean(pool)
 
 
+def edit_unsampled_key_weights(model):
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.view(-1)[1] += 25.0
+
+
+def test_an_edit_then_the_weights_rewrapped_before_the_next_turn_is_seen():
+    """`load_state_dict(model.state_dict(), assign=True)` wraps the same storage (and version
+    counter) in new tensors: an edit just before it still counts."""
+    model, ids, pool = cached_then_changed(lambda m: None)
+    edit_unsampled_key_weights(model)
+    model.load_state_dict(model.state_dict(), assign=True)
+    got, inherited = paged(model, ids)
+    assert inherited == 0
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+    assert_pool_clean(pool)
+
+
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")
+def test_edited_weights_never_take_the_unedited_fingerprint_back(tmp_path):
+    """Once edited, the weights keep a token of their own: swapped into new tensors with the
+    same values, or re-enabled on a new pool, the sample alone would give the unedited weights'
+    fingerprint, and their disk files."""
+    system, model = prompt(40, 7), make_model("llama", seed=61)
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    hf_paged_kv.persist(model, system[0])  # the unedited weights' files
+    edit_unsampled_key_weights(model)
+    ids = torch.cat([system, prompt(6, 8)], 1)
+    assert paged(model, ids)[1] == 0
+    model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)  # other storage
+    assert paged(model, ids)[1] == 0
+    hf_paged_kv.disable(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    assert pool.stats()["disk_blocks"] == 0
+    got, inherited = paged(model, ids)
+    assert inherited == 0
+    torch.testing.assert_close(got, reference(model, ids), rtol=0, atol=0)
+
+
+@pytest.mark.filterwarnings("ignore:hf_paged_kv disk tier")
+def test_a_loop_editing_weights_between_generate_calls_leaves_no_files_behind(tmp_path):
+    """Files of weights edited in place serve no other process: deleted when the weights change
+    again, not set aside (a training loop would fill the directory, and each change would read
+    them all)."""
+    model = make_model("llama", seed=61)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path))
+    ids = prompt(30, 7)
+    hf_paged_kv.persist(model, ids[0])  # 3 files of the unedited weights
+    for step in range(5):
+        edit_unsampled_key_weights(model)
+        hf_paged_kv.persist(model, ids[0])
+        assert pool.stats()["disk_blocks"] == 3  # this step's, the step before's deleted
+    assert len(list(tmp_path.glob("*.kvblock"))) == 6  # and the unedited weights', set aside
+    hf_paged_kv.disable(model)
+
+
 def test_equal_weights_assigned_keep_the_cached_kv():
     """The fingerprint is of the values, not of the tensor objects: reloading the same weights
     (or restarting the process) keeps what they computed."""

@@ -54,3 +54,18 @@ def test_the_queue_picks_what_a_scan_picks(seed):
                                                                              rel=1e-9)
         queue.remove(key, held.pop(key))
     assert queue.lowest(clock[0]) is None
+
+
+def test_the_heaps_stay_within_a_bound_of_the_blocks_held():
+    """Entries of blocks that left are skipped lazily; a tier that churns through many blocks
+    that expire later must not keep one entry per block it ever held."""
+    clock = [0.0]
+    policy = Policy(half_life=60.0, clock=lambda: clock[0])
+    queue = LeafQueue(policy)
+    for step in range(5000):
+        meta = BlockMeta(step.to_bytes(4, "big"), "t", 0, "m", last_access=clock[0], expires=clock[0] + 1e6)
+        queue.add(step, meta)
+        if step >= 3:
+            queue.remove(step - 3, queue.held[step - 3])
+    assert len(queue.held) == 3
+    assert len(queue.ranked) <= 4 * 3 + 64 + 1 and len(queue.expiring) <= 4 * 3 + 64 + 1

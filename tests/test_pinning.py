@@ -429,3 +429,19 @@ def test_a_pin_that_gave_way_comes_back_before_lower_priorities_pinned_meanwhile
     hf_paged_kv.unpin(model, high)
     hf_paged_kv.unpin(model, low)
     assert_pool_clean(pool)
+
+
+@pytest.mark.parametrize("which", ["pool_ttl", "pin_ttl"])
+def test_the_blocks_of_a_pin_that_ended_serve_the_next_allocation(model, which):
+    """An ended pin was let go only by stats(), a new pin or an eviction, and the allocation's
+    check of what eviction could free came first: it failed although the pin had ended."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, pin_budget=1.0, hot_threshold=None,
+                                                 ttl=60 if which == "pool_ttl" else None))
+    clock = manual_clock(pool)
+    hf_paged_kv.pin(model, tokens(80, 1), ttl=None if which == "pool_ttl" else 30)  # 10 blocks
+    clock[0] = 100.0
+    prompt = tokens(90, 2)  # 12 blocks
+    skipped, out = skip_of(model, prompt)
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 90, dtype=torch.long), new_tokens=4)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_pool_clean(pool)

@@ -91,7 +91,6 @@ class Engine:
         self.gate = threading.Lock()  # a submit either queues before stop() stops accepting, or is refused
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
-        self.tick_failed = False  # the load controller's tick raised once (logged once)
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
         # prompt + max_new_tokens a request may have (None: the model's context): its forwards then
         # feed positions below the RoPE limit (model_checks.rope_length_limit)
@@ -194,14 +193,13 @@ class Engine:
             self.load.stop()
 
     def _tick(self) -> None:
-        """The load controller's tick. A fault in it is logged once and fails no request: the
-        engine goes on with the knobs as they are."""
+        """The load controller's tick. A fault in it is counted, logged once and fails no request:
+        the engine goes on with the knobs as they are."""
         try:
             self.load.tick()
         except Exception:  # noqa: BLE001 - the controller adapts the service; it must not end it
-            if not self.tick_failed:
+            if self.metrics.controller_fault():  # counted in stats()["controller_faults"]
                 log.exception("the load controller's tick failed; the engine goes on with its knobs as they are")
-            self.tick_failed = True
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()

@@ -14,7 +14,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 COUNTERS = ("requests_finished", "requests_rejected", "requests_cancelled", "requests_failed", "preemptions",
             "preemptions_for_first_tokens", "max_running", "tokens_prefilled", "tokens_inherited",
-            "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps")
+            "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps", "controller_faults")
 
 
 class EngineMetrics:
@@ -48,6 +48,8 @@ class EngineMetrics:
                                      "computed again after a preemption)", ["source"])
         self.generated = counter("generated_tokens", "Tokens generated")
         self.controller_actions = counter("controller_actions", "Load-controller decisions", ["knob"])
+        self.controller_faults = counter("controller_faults", "Load-controller ticks that raised (the first is "
+                                         "logged; the knobs keep their values)")
         self.ttft = histogram("time_to_first_token_seconds", "Submission to first token")
         self.itl = histogram("inter_token_latency_seconds", "Between consecutive tokens of a request")
         self.e2e = histogram("e2e_latency_seconds", "Submission to last token")
@@ -101,6 +103,12 @@ class EngineMetrics:
             self.counters["max_running"] = max(self.counters["max_running"], running)
         self.batch_tokens.observe(sum(n for _, n in batch))
         self.batch_sequences.observe(len(batch))
+
+    def controller_fault(self) -> bool:
+        """A tick of the load controller raised; returns whether it is the first."""
+        self.count("controller_faults")
+        self.controller_faults.inc()
+        return self.counters["controller_faults"] == 1
 
     def stepped(self, seconds: float) -> None:
         self.count("steps")

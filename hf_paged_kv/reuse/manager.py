@@ -225,6 +225,8 @@ class ReuseManager:
         return victims
 
     def evictable(self) -> int:
+        """Cached blocks eviction could free now (pins that ended let theirs go first)."""
+        self.pins.expire(self.index.policy.now())
         held = self.semantic.held_blocks(self.allocator.refcount) if self.semantic is not None else 0
         return self.allocator.idle_cached() + held
 

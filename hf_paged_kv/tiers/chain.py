@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fingerprint import is_local
 from ..policy import BlockMeta, Policy
 from .disk import DiskTier
 from .host import HostTier
@@ -78,20 +79,22 @@ class TierChain:
     def forget(self, tenant: str) -> int:
         """Forget (and delete) what the lower tiers hold of `tenant`."""
         return ((self.host.forget(tenant=tenant) if self.host is not None else 0)
-                + (self.disk.forget(tenant) if self.disk is not None else 0))
+                + (self.disk.forget(tenant=tenant) if self.disk is not None else 0))
 
-    def forget_model(self, model: str) -> None:
-        """The weights with fingerprint `model` changed: drop their host blocks and set their
-        disk files aside (kept for a restart on those weights, never served here)."""
+    def change_model(self, old: str, new: str) -> None:
+        """The weights with fingerprint `old` became `new`: drop `old`'s host blocks, set its disk
+        files aside for a restart on those weights (deleted instead for weights edited in place,
+        which no other process has: `fingerprint.is_local`), and serve `new`'s files."""
         if self.host is not None:
-            self.host.forget(model=model)
+            self.host.forget(model=old)
         if self.disk is not None:
-            self.disk.set_aside(model)
+            (self.disk.forget if is_local(old) else self.disk.set_aside)(model=old)
+        self.serve_model(new)
 
     def serve_model(self, model: str) -> None:
         """Serve the disk files of `model` that were set aside or belonged to another model when
-        the directory was read."""
-        if self.disk is not None:
+        the directory was read (weights edited in place have none)."""
+        if self.disk is not None and not is_local(model):
             self.disk.serve(model)
 
     def stats(self) -> dict:

@@ -265,9 +265,10 @@ class DiskTier:
         """Bytes of every block file in the directory, unusable ones included."""
         return sum(size for _, size, _ in self.catalog.values()) + sum(self.unusable.values())
 
-    def forget(self, tenant: str) -> int:
-        """Delete the files of `tenant`."""
-        doomed = [d for d, (_, _, m) in self.catalog.items() if m.tenant == tenant]
+    def forget(self, tenant: str | None = None, model: str | None = None) -> int:
+        """Delete the files of `tenant` and/or `model`."""
+        doomed = [d for d, (_, _, m) in self.catalog.items()
+                  if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
         for digest in doomed:
             self._delete(digest)
         return len(doomed)

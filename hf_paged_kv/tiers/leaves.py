@@ -59,8 +59,11 @@ class LeafQueue:
             parent = self.key_of.get(meta.parent)
             if parent is not None:  # its last child left: a leaf now
                 self._rank(parent, self.held[parent])
-        if len(self.ranked) > 4 * len(self.held) + 64:  # mostly skipped entries: start over
+        if len(self.ranked) > 4 * len(self.held) + 64:  # mostly stale entries: start over
             self._rerank()
+        if len(self.expiring) > 4 * len(self.held) + 64:
+            self.expiring = [(m.expires, next(self.order), k, m) for k, m in self.held.items() if m.expires is not None]
+            heapq.heapify(self.expiring)
 
     def lowest(self, now: float) -> Hashable | None:
         """The key of an expired block (earliest expiry first), else of the lowest-value leaf."""
