@@ -83,6 +83,7 @@ class InPlaceEdits:
     def token(self, params) -> str:
         """The token of the weights' in-place edits ("" for none): the same while nothing
         changes, a new one after any edit, or a tensor swapped in once one was edited."""
+        params = list(params)
         with self._lock:
             changed = False
             for name, param in params:
@@ -96,10 +97,24 @@ class InPlaceEdits:
                 changed = changed or edited or swapped
                 if seen is None or swapped or edited or seen[0]() is not param:
                     self._seen[name] = (weakref.ref(param), storage, version)
+            for name in self._seen.keys() - {name for name, _ in params}:  # weights that went (a module removed)
+                del self._seen[name]
             if not self._edited:
                 return ""
             self._generation += changed
             return f"{self._salt}.{self._generation}"
+
+    def unchanged(self, params) -> bool:
+        """Whether every weight is the tensor, at the version, that the last `token` saw: a look
+        at identities and counters, no values read (an edit through `.data` passes it)."""
+        with self._lock:
+            count = 0
+            for name, param in params:
+                seen = self._seen.get(name)
+                if seen is None or seen[0]() is not param or seen[2] != _version(param):
+                    return False
+                count += 1
+            return count == len(self._seen)
 
 
 def is_local(fingerprint: str) -> bool:

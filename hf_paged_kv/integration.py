@@ -177,16 +177,18 @@ def state_of(model) -> EnabledState:
     return state
 
 
-def current_fingerprint(model, max_age: float = 0.0) -> str:
+def current_fingerprint(model, max_age: float = 0.0, look: bool = False) -> str:
     """The model's fingerprint now (or as of at most `max_age` seconds ago). Changed weights give
     a new one, and what the old weights computed is forgotten. The weights are looked up anew at
     each check, so tensors swapped in (`load_state_dict(assign=True)`, replaced or injected
     modules, resized embeddings) count as well as in-place edits. A weight converted to another
     dtype or moved to another device is refused: the pool holds KV of the old dtype and devices.
-    Within `max_age` only the first weight's dtype and device are checked (one lookup)."""
+    Within `max_age` only the first weight's dtype and device are checked (one lookup); with
+    `look`, every weight's identity and version counter too (no values read: a tensor swapped in
+    or edited in place is seen at once, an edit through `.data` after up to `max_age`)."""
     state = state_of(model)
     _refuse_converted(state, [next(model.named_parameters())])
-    if time.monotonic() - state.checked <= max_age:
+    if time.monotonic() - state.checked <= max_age and (not look or state.edits.unchanged(model.named_parameters())):
         return state.fingerprint
     params = sorted(model.named_parameters())
     _refuse_converted(state, params)

@@ -670,3 +670,23 @@ def test_the_packing_check_runs_greedy_whatever_the_generation_config_and_withou
         with Engine(model, pool=KVPool(num_blocks=32, block_size=4), controller=False) as engine:
             assert engine.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
         hf_paged_kv.disable(model)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_a_request_right_after_the_weights_change_inherits_nothing_of_the_old_ones(assign):
+    """The engine re-takes the fingerprint at most once a second, and looks at every weight's
+    tensor and version counter at each admitting step: new weights (copied in place or
+    assigned) were served the old weights' KV for up to a second."""
+    prompt = prompts([40], seed=60)[0]
+    other = make_model("llama", seed=2)
+    expected = alone(other, prompt, new=8)
+    model = make_model("llama", seed=1)
+    with Engine(model, pool=KVPool(num_blocks=64, block_size=8), controller=False) as engine:
+        engine.submit(prompt, max_new_tokens=8, eos_token_id=[]).result(timeout=60)
+        with torch.no_grad():
+            model.load_state_dict(other.state_dict(), assign=assign)
+        handle = engine.submit(prompt, max_new_tokens=len(expected), eos_token_id=[])
+        assert handle.result(timeout=60) == expected
+    assert engine.stats()["tokens_inherited"] == 0
+    assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)

@@ -229,7 +229,7 @@ class Engine:
                                                                             self.limits.prefetch_watermark))
             budget -= sum(n for _, n in batch)
             ends_prompts = any(request.ends_prompt(n) for request, n in batch)
-            admitted = self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0)
+            admitted = self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0, look=True)
                                             if self.scheduler.waiting else None, self.metrics, ends_prompts)
             # decodes that yielded their memory to a first token (see yielding) leave this forward
             running = set(self.scheduler.running)
