@@ -147,7 +147,7 @@ class Request:
     outcome: str | None = None  # "finished", "cancelled", "failed", "rejected"
     cancel_requested: str | None = None  # the outcome asked for: "cancelled", or "finished" early
     preemptions: int = 0
-    inherited: int = 0  # prompt tokens inherited from cached prefixes at the last admission
+    inherited: int = 0  # tokens whose KV the last admission found cached (after a preemption: generated ones too)
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
     swapped: tuple | None = None  # while preempted: (weights' fingerprint, tokens, its partial block's K/V on the host)
@@ -248,7 +248,9 @@ class RequestHandle:
 
     @property
     def timings(self) -> dict:
-        """Monotonic times (seconds) of the request's life, and what happened to it."""
+        """Monotonic times (seconds) of the request's life, and what happened to it: `inherited`
+        counts the tokens whose KV its last admission found cached (after a preemption, the
+        request's own blocks, generated tokens included)."""
         r = self.request
         return {"arrived": r.arrived, "admitted": r.admitted, "first_token": r.first_token, "last_token": r.last_token,
                 "finished": r.finished, "preemptions": r.preemptions, "inherited": r.inherited,
