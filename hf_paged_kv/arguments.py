@@ -26,11 +26,18 @@ def tenant(value) -> str:
     lone surrogate failed the engine's step, for every request in it)."""
     if not isinstance(value, str) or not value or value == PUBLIC_TENANT:
         raise ValueError(f"tenant must be a non-empty string other than {PUBLIC_TENANT!r}, got {value!r}")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise ValueError(f"tenant must be Unicode text, got {value!r} (a lone surrogate)") from None
+    if not is_unicode(value):
+        raise ValueError(f"tenant must be Unicode text, got {value!r} (a lone surrogate)")
     return value
+
+
+def is_unicode(text: str) -> bool:
+    """Whether UTF-8 can encode `text`: Python strings, and JSON's, may hold lone surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def priority(value) -> int:

@@ -70,8 +70,9 @@ class InPlaceEdits:
     (`assign=True`, a replaced module) renews it: its version restarts, and the sample cannot
     tell edited values from the ones before the edit. Before any edit, a swapped-in tensor is
     told apart by its sample alone, unless it holds the old one's storage (and its version
-    counter), as `load_state_dict(model.state_dict(), assign=True)` gives. Edits through `.data` bypass the counter and are not seen,
-    nor are weights created under `torch.inference_mode` (they have no counter)."""
+    counter), as `load_state_dict(model.state_dict(), assign=True)` gives. Edits through `.data`
+    bypass the counter and are not seen, nor are weights created under `torch.inference_mode`
+    (they have no counter)."""
 
     def __init__(self):
         self._seen: dict[str, tuple[weakref.ref, int, int | None]] = {}  # name -> (tensor, its storage, version)
@@ -89,13 +90,14 @@ class InPlaceEdits:
             for name, param in params:
                 version, storage = _version(param), param.data_ptr()
                 seen = self._seen.get(name)
+                other_tensor = seen is not None and seen[0]() is not param
                 # a tensor swapped in on the same storage (`load_state_dict(model.state_dict(),
                 # assign=True)`) shares the old one's version counter: compared as the same tensor
-                swapped = seen is not None and seen[0]() is not param and storage != seen[1]
+                swapped = other_tensor and storage != seen[1]
                 edited = seen is not None and not swapped and version != seen[2]
                 self._edited = self._edited or edited
                 changed = changed or edited or swapped
-                if seen is None or swapped or edited or seen[0]() is not param:
+                if seen is None or other_tensor or edited:
                     self._seen[name] = (weakref.ref(param), storage, version)
             for name in self._seen.keys() - {name for name, _ in params}:  # weights that went (a module removed)
                 del self._seen[name]

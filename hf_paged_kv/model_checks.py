@@ -128,4 +128,3 @@ def _layer_specs(model, config, recording: Recording) -> list[LayerSpec]:
             raise UnsupportedModelError(f"{name} has keys {key_shape} and values {value_shape} of different shapes "
                                         "(multi-head latent attention); the pool stores both in one layout")
     return [LayerSpec(calls[i][0][0][1], calls[i][0][0][-1], calls[i][0][2]) for i in layers]
-

@@ -2,8 +2,8 @@
 
 Every scheduled sequence contributes its next tokens – one for a decode, a chunk for a prefill –
 concatenated into a single row `[1, N]` with positions restarting per sequence (`packed.run`).
-Prefill chunks and decodes share the forward; only the logits of sequences that reach their last token are computed
-(`logits_to_keep` with their indices).
+Prefill chunks and decodes share the forward; only the logits of sequences that reach their last
+token are computed (`logits_to_keep` with their indices).
 """
 
 from __future__ import annotations

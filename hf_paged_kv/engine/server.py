@@ -52,6 +52,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..arguments import is_unicode
 from ..errors import Overloaded, PagedKVError
 from .request import RequestFailed
 
@@ -166,10 +167,10 @@ class ChatRequest(GenerationRequest):
 def unencodable(value, where: str = "body") -> str | None:
     """Where the first string (or key) in `value` that UTF-8 cannot encode is, else None."""
     if isinstance(value, str):
-        return None if encodable(value) else where
+        return None if is_unicode(value) else where
     if isinstance(value, dict):
         for key, item in value.items():
-            if not encodable(str(key)):
+            if not is_unicode(str(key)):
                 return f"a key of {where}"  # never echoed: the response could not encode it either
             if (found := unencodable(item, f"{where}.{key}")) is not None:
                 return found
@@ -178,14 +179,6 @@ def unencodable(value, where: str = "body") -> str | None:
             if (found := unencodable(item, f"{where}[{index}]")) is not None:
                 return found
     return None
-
-
-def encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def check_extras(body: GenerationRequest, neutral: dict) -> None:

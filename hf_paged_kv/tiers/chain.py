@@ -78,8 +78,7 @@ class TierChain:
 
     def forget(self, tenant: str) -> int:
         """Forget (and delete) what the lower tiers hold of `tenant`."""
-        return ((self.host.forget(tenant=tenant) if self.host is not None else 0)
-                + (self.disk.forget(tenant=tenant) if self.disk is not None else 0))
+        return sum(t.forget(tenant=tenant) for t in (self.host, self.disk) if t is not None)
 
     def change_model(self, old: str, new: str) -> None:
         """The weights with fingerprint `old` became `new`: drop `old`'s host blocks, set its disk
