@@ -4,18 +4,12 @@
     >>> hf_paged_kv.persist(model, system_prompt, tokenizer)   # write a prefix now, explicitly
 
 Blocks reach the disk when they fall out of the host tier (or out of the device pool when there
-is no host tier), or by `persist`. One safetensors file per block, named by its digest: the
-block's K and V of every layer, and string metadata (format, model fingerprint, digest, the
-parent block's digest, tenant, depth, fill, decayed access weight and wall-clock time,
-wall-clock expiry, priority) with a BLAKE2b checksum over the metadata and every tensor's
-bytes. Files are written to a temporary name and renamed, so a crash never leaves a
-half-written block under a real name. A file that
-fails any check – its header does not parse, a field is missing or damaged, the shapes, dtype,
-model or digest differ, the checksum does not match – is ignored with a warning (never loaded,
-never fatal; one warning for all the files a directory scan rejects, grouped by reason) and
-counted in `disk_rejects`; so are files of an earlier format (before `hf_paged_kv-block/3`
-they did not name their parent). Digests include the tenant, so a tenant
-only ever finds its own (or published) blocks.
+is no host tier), or by `persist`. One safetensors file per block, named by its digest, with its
+metadata and a checksum (the format: `blockfile`). A file that fails any check – its header does
+not parse, a field is missing or damaged, the shapes, dtype, model or digest differ, the checksum
+does not match – is ignored with a warning (never loaded, never fatal; one warning for all the
+files a directory scan rejects, grouped by reason) and counted in `disk_rejects`. Digests include
+the tenant, so a tenant only ever finds its own (or published) blocks.
 
 A write that fails (permissions, a full or read-only file system) drops the block cleanly: the
 pool stays consistent, the error is warned once and counted in `disk_write_errors`.
@@ -32,36 +26,27 @@ is not seen, so two of them can exceed it together: give each its own). When a w
 files this pool cannot use (another model's, damaged ones) go first, then expired files and
 leaves of lowest value (the same value as in memory, see `host.droppable`: a lookup stops at the
 first missing block, so an inner block never goes before its continuations), and the new file
-itself when nothing else can go.
+itself when nothing else can go. A running byte count and a `LeafQueue` find them without a scan
+of the catalogue: a write into a full directory of 16,384 small files takes 0.26 ms, against
+21.7 ms with a scan per write, under the pool's lock.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 import warnings
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
 
 from ..policy import BlockMeta, Policy
-from .host import droppable
+from . import blockfile
+from .blockfile import SUFFIX, RejectedFile
+from .leaves import LeafQueue
 
-FORMAT = "hf_paged_kv-block/3"
-SUFFIX = ".kvblock"
 ABANDONED_AFTER = 600.0  # seconds: a block file is written in well under one
-FIELDS = ("format", "model", "digest", "parent", "tenant", "depth", "fill", "weight", "written", "priority")
-
-
-class RejectedFile(ValueError):
-    """A block file failed one of the checks; the message names which (the same for every file
-    that fails it, so a directory scan groups files by it)."""
-
 
 class DiskTier:
     """A directory of block files with an in-memory catalogue. Calls happen under the pool's lock."""
@@ -75,6 +60,8 @@ class DiskTier:
                                        "disk_write_errors", "disk_delete_errors"), 0)
         self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta, policy clock)
         self.unusable: dict[Path, int] = {}  # block files this pool cannot load (another model's, damaged) -> bytes
+        self.bytes_used = 0  # of both
+        self.leaves = LeafQueue(policy)  # which file goes when the budget is exceeded, by digest
         self.warned_write = self.warned_delete = False
         file_bytes = 2 * sum(torch.Size(s).numel() for s in self.block_shapes) * torch.empty((), dtype=dtype).element_size()
         if max_bytes < file_bytes:
@@ -124,18 +111,16 @@ class DiskTier:
         they are valid for those weights, which a restart or another process sharing the
         directory may have. Unusable now, they go first when the byte budget is exceeded."""
         for digest in [d for d, (_, _, m) in self.catalog.items() if m.model == model]:
-            path, size, _ = self.catalog.pop(digest)
-            self.unusable[path] = size
+            self._unusable(*self._release(digest))
 
     def _catalogue(self, path: Path, model: str, size: int) -> str | None:
         """Catalogue one file of `model` (deleted if expired), or budget it as unusable and say why."""
         try:
-            meta = self._parse(path, model, tensors=False)
+            meta = self._meta(blockfile.read(path, model)[0])
         except Exception as error:  # any damage at all: skip the file, never fail
-            self.unusable[path] = size
+            self._unusable(path, size)
             return str(error) if isinstance(error, RejectedFile) else f"damaged ({type(error).__name__})"
-        self.unusable.pop(path, None)
-        self.catalog[meta.digest] = (path, size, meta)
+        self._hold(path, size, meta)
         self.contains(meta.digest)
         return None
 
@@ -148,23 +133,13 @@ class DiskTier:
             return True
         now, wall = self.policy.now(), time.time()
         meta = meta.as_of(now, self.policy.half_life)
-        tensors = {f"{kind}.{i}": t.detach().to("cpu").contiguous()
-                   for i, pair in enumerate(layers) for kind, t in zip("kv", pair)}
-        expires = "" if meta.expires is None else repr(meta.expires - now + wall)
-        header = {"format": FORMAT, "model": meta.model, "digest": meta.digest.hex(), "parent": meta.parent.hex(),
-                  "tenant": meta.tenant, "depth": str(meta.depth), "fill": str(meta.fill), "weight": repr(meta.weight),
-                  "written": repr(wall), "expires": expires, "priority": str(meta.priority)}
-        header["checksum"] = _checksum(header, tensors)
-        path = self.directory / (meta.digest.hex() + SUFFIX)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        path = blockfile.path_of(self.directory, meta.digest)
         try:
-            save_file(tensors, partial, metadata=header)
-            os.replace(partial, path)
+            blockfile.write(path, meta, layers, wall, None if meta.expires is None else meta.expires - now + wall)
         except (OSError, SafetensorError) as error:  # permissions, a full or read-only file system
-            self._write_failed(partial, error)
+            self._write_failed(blockfile.partial_of(path), error)
             return False
-        self.unusable.pop(path, None)  # a damaged file of the same digest was just replaced
-        self.catalog[meta.digest] = (path, path.stat().st_size, meta)
+        self._hold(path, path.stat().st_size, meta)  # replaces a damaged file of that digest, if any
         self.counters["disk_writes"] += 1
         self._enforce_budget(keep=meta.digest)
         return meta.digest in self.catalog
@@ -175,7 +150,8 @@ class DiskTier:
         path, size, known = self.catalog[meta.digest]
         now, half_life = self.policy.now(), self.policy.half_life
         if meta.weight_at(now, half_life) > known.weight_at(now, half_life):
-            self.catalog[meta.digest] = (path, size, replace(meta.as_of(now, half_life), expires=known.expires))
+            self._release(meta.digest)
+            self._hold(path, size, replace(meta.as_of(now, half_life), expires=known.expires))
 
     def _write_failed(self, partial: Path, error: Exception) -> None:
         try:
@@ -208,8 +184,7 @@ class DiskTier:
         path, size, meta = entry
         loaded = self._read(path, model, digest)
         if loaded is None:
-            del self.catalog[digest]
-            self.unusable[path] = size
+            self._unusable(*self._release(digest))
             return None
         _, tensors = loaded
         for i, (key, value) in enumerate(layers):
@@ -221,49 +196,20 @@ class DiskTier:
     def _read(self, path: Path, model: str, digest: bytes):
         """The file's metadata and tensors, or None after a warning when any check fails."""
         try:
-            return self._parse(path, model, tensors=True, digest=digest)
+            return blockfile.read(path, model, self.block_shapes, self.dtype, digest)
         except Exception as error:  # any damage at all: skip the file, never fail the request
             warnings.warn(f"hf_paged_kv disk tier: ignoring {path.name}: {error}", stacklevel=3)
             self.counters["disk_rejects"] += 1
             return None
 
-    def _parse(self, path: Path, model: str, tensors: bool, digest: bytes | None = None):
-        """The file's metadata (and tensors); raises on any failed check."""
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            header = f.metadata() or {}
-            if header.get("format") != FORMAT or not all(isinstance(header.get(k), str) for k in FIELDS):
-                raise RejectedFile("not a block file of this format (fields missing or damaged)")
-            if header["model"] != model:
-                raise RejectedFile(f"written by another model ({_difference(header['model'], model)})")
-            if path.name != header["digest"] + SUFFIX or (digest is not None and header["digest"] != digest.hex()):
-                raise RejectedFile("digest in the header does not match the file name")
-            meta = self._meta(header)
-            if not tensors:
-                return meta
-            data = {name: f.get_tensor(name) for name in f.keys()}
-        expected = {f"{kind}.{i}": shape for i, shape in enumerate(self.block_shapes) for kind in "kv"}
-        if {n: tuple(t.shape) for n, t in data.items()} != expected or any(t.dtype != self.dtype for t in data.values()):
-            raise RejectedFile("block shapes or dtype differ from this pool")
-        if header.get("checksum") != _checksum({k: v for k, v in header.items() if k != "checksum"}, data):
-            raise RejectedFile("checksum mismatch (corrupted or truncated)")
-        return meta, data
-
     def _meta(self, header: dict) -> BlockMeta:
-        """The block record of a file's header, its wall-clock times moved to the policy's clock;
-        with a TTL, a file expires at the latest a TTL after it was written."""
-        shift = self.policy.now() - time.time()
-        written = float(header["written"]) + shift
-        limits = [float(header["expires"]) + shift] if header.get("expires") else []
-        if self.policy.ttl is not None:
-            limits.append(written + self.policy.ttl)
-        return BlockMeta(bytes.fromhex(header["digest"]), header["tenant"], int(header["depth"]), header["model"],
-                         float(header["weight"]), written, min(limits, default=None), int(header["priority"]),
-                         int(header["fill"]), bytes.fromhex(header["parent"]))
+        """A file's block record on the policy's clock."""
+        return blockfile.meta_of(header, self.policy.now() - time.time(), self.policy.ttl)
 
     # -------------------------------------------------------------- budget
     def used_bytes(self) -> int:
         """Bytes of every block file in the directory, unusable ones included."""
-        return sum(size for _, size, _ in self.catalog.values()) + sum(self.unusable.values())
+        return self.bytes_used
 
     def forget(self, tenant: str | None = None, model: str | None = None) -> int:
         """Delete the files of `tenant` and/or `model`."""
@@ -281,24 +227,36 @@ class DiskTier:
         """Delete files until the budget holds: unusable ones, then droppable ones by value, and
         the new file `keep` only when nothing else can go (blocks leave the device deepest first,
         so a new file is usually the parent of files already here)."""
-        while self.unusable and self.used_bytes() > self.max_bytes:
+        while self.unusable and self.bytes_used > self.max_bytes:
             path = next(iter(self.unusable))
-            del self.unusable[path]
+            self.bytes_used -= self.unusable.pop(path)
             self._unlink(path)
-        now = self.policy.now()
-        while self.used_bytes() > self.max_bytes:
-            metas = {d: m for d, (_, _, m) in self.catalog.items()}
-            eligible = [d for d in droppable(metas, now) if d != keep] or [d for d in [keep] if d in metas]
-            if not eligible:
+        while self.bytes_used > self.max_bytes:
+            digest = self.leaves.lowest(self.policy.now(), spare=keep)
+            if digest is None and keep not in self.catalog:
                 return
-            self.policy.evict(metas, eligible, 1, self._drop, now)
+            self._delete(keep if digest is None else digest)
+            self.counters["disk_drops"] += 1
 
-    def _drop(self, digest: bytes) -> None:
-        self._delete(digest)
-        self.counters["disk_drops"] += 1
+    def _hold(self, path: Path, size: int, meta: BlockMeta) -> None:
+        """Catalogue a usable file (in place of an unusable one of that name, if any)."""
+        self.bytes_used += size - self.unusable.pop(path, 0)
+        self.catalog[meta.digest] = (path, size, meta)
+        self.leaves.add(meta.digest, meta)
+
+    def _release(self, digest: bytes) -> tuple[Path, int]:
+        """Take a file out of the catalogue (not off the disk); returns its path and size."""
+        path, size, meta = self.catalog.pop(digest)
+        self.leaves.remove(digest, meta)
+        self.bytes_used -= size
+        return path, size
+
+    def _unusable(self, path: Path, size: int) -> None:
+        self.bytes_used += size - self.unusable.get(path, 0)
+        self.unusable[path] = size
 
     def _delete(self, digest: bytes) -> None:
-        self._unlink(self.catalog.pop(digest)[0])
+        self._unlink(self._release(digest)[0])
 
     def _unlink(self, path: Path) -> None:
         """Delete a block file; one the directory will not let go (read-only) is forgotten all the
@@ -313,19 +271,3 @@ class DiskTier:
                 warnings.warn(f"hf_paged_kv disk tier: cannot delete {path} ({error}); further failures are only "
                               "counted in disk_delete_errors", stacklevel=4)
 
-
-def _difference(written: str, ours: str) -> str:
-    """What differs between two fingerprints: their `block_size=` or `dtype=` parts, named (a
-    restart with another block size or dtype is the common case), else the weights."""
-    named = {part.split("=")[0]: part for part in ours.split("|") if "=" in part}
-    changed = [f"{part} where this pool has {named[key]}" for part in written.split("|") if "=" in part
-               and (key := part.split("=")[0]) in named and named[key] != part]
-    return "; ".join(changed) or "fingerprint differs: other weights or config"
-
-
-def _checksum(header: dict, tensors: dict) -> str:
-    digest = hashlib.blake2b(json.dumps(header, sort_keys=True).encode(), digest_size=16)
-    for name in sorted(tensors):
-        digest.update(name.encode())
-        digest.update(tensors[name].contiguous().view(torch.uint8).numpy())  # hashed in place, not copied
-    return digest.hexdigest()

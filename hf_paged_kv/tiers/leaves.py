@@ -65,19 +65,31 @@ class LeafQueue:
             self.expiring = [(m.expires, next(self.order), k, m) for k, m in self.held.items() if m.expires is not None]
             heapq.heapify(self.expiring)
 
-    def lowest(self, now: float) -> Hashable | None:
-        """The key of an expired block (earliest expiry first), else of the lowest-value leaf."""
-        while self.expiring and self.expiring[0][0] <= now:
-            _, _, key, meta = heapq.heappop(self.expiring)
-            if self.held.get(key) is meta:
-                return key
-        if self.half_life != self.policy.half_life:
-            self._rerank()
-        while self.ranked:
-            _, _, key, meta = heapq.heappop(self.ranked)
-            if self.held.get(key) is meta and not self.children[meta.digest]:
-                return key
-        return None
+    def lowest(self, now: float, spare: Hashable | None = None) -> Hashable | None:
+        """The key of an expired block (earliest expiry first), else of the lowest-value leaf;
+        never `spare` (a block just stored, which should leave only when nothing else can)."""
+        key = self._pop(self.expiring, now, spare, leaves_only=False)
+        if key is None:
+            if self.half_life != self.policy.half_life:
+                self._rerank()
+            key = self._pop(self.ranked, float("inf"), spare, leaves_only=True)
+        return key
+
+    def _pop(self, heap: list, until: float, spare: Hashable | None, leaves_only: bool) -> Hashable | None:
+        """Pop `heap`'s first entry up to `until` that is still current; `spare`'s stay queued."""
+        kept, found = [], None
+        while heap and heap[0][0] <= until and found is None:
+            entry = heapq.heappop(heap)
+            _, _, key, meta = entry
+            if self.held.get(key) is not meta or (leaves_only and self.children[meta.digest]):
+                continue  # stale: the block left, or has a child now
+            if key == spare:
+                kept.append(entry)
+            else:
+                found = key
+        for entry in kept:
+            heapq.heappush(heap, entry)
+        return found
 
     def _rank(self, key: Hashable, meta: BlockMeta) -> None:
         if self.half_life != self.policy.half_life:  # ranks of two half-lives must not meet in one heap
