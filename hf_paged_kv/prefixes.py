@@ -64,7 +64,9 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
     """Compute (or find) the KV of `prefix` and write its full blocks to the pool's disk tier
     now, so that a restarted process with the same model and directory reuses them. Returns the
     number of leading tokens whose blocks are on disk afterwards (whole blocks): fewer when a
-    write failed or the disk budget could not keep them all."""
+    write failed or the disk budget could not keep them all. Blocks are written from the first;
+    writing stops at the first one the disk does not keep, since a block after it could only be
+    found through it (and would make room by dropping files of other prefixes for nothing)."""
     pool = pool_of(model)
     if pool.tiers.disk is None:
         raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
@@ -72,7 +74,8 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
         with pool.locked():
             metas = [pool.reuse.index.metas[block] for block in blocks]
             for meta, block in zip(metas, blocks):
-                pool.tiers.write_to_disk(meta, pool.block_layers(block))
+                if not pool.tiers.write_to_disk(meta, pool.block_layers(block)):
+                    break
             kept = next((i for i, meta in enumerate(metas) if not pool.tiers.disk.contains(meta.digest)), len(metas))
     return kept * pool.block_size
 
@@ -80,7 +83,9 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
 def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dict[str, int]:
     """How many leading tokens of `prefix` a new request of `tenant` would inherit from whole
     cached blocks, by the tier each block is in now: `{"device": n, "host": n, "disk": n}`.
-    Nothing is computed, moved or counted as a hit."""
+    Nothing is computed, moved or counted as a hit. A request whose prompt is exactly `prefix`
+    computes its last token (its logits pick the first new token), so it inherits the blocks
+    before the one holding that token."""
     pool, tokens = pool_of(model), np.asarray(_token_ids(prefix, tokenizer), dtype=np.int64)
     with pool.locked():
         return pool.reuse.probe(current_fingerprint(model), tenant, tokens, pool.tiers.has)

@@ -388,12 +388,15 @@ def test_retry_after_counts_only_the_requests_that_stay_ahead():
 def test_hit_rates_are_recent_and_the_service_figures_are_in_the_metrics():
     """The pool's hit counters are lifetime totals; the controller's signal is the share of
     the tokens looked up lately. Goodput, availability, the state and the shed level are in
-    the metrics from the start."""
+    the metrics from the start, and so is every series of the counters with labels (at 0)."""
     model = make_model("llama", seed=4)
     engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(ttft=30.0, per_token=30.0))
     text = engine.prometheus()
     for line in ('hf_paged_kv_controller_state{state="overload"} 0.0', "hf_paged_kv_availability_ratio 1.0",
-                 'hf_paged_kv_controller_setting{knob="shed_below_priority"} -Inf', "hf_paged_kv_goodput_requests_per_second"):
+                 'hf_paged_kv_controller_setting{knob="shed_below_priority"} -Inf', "hf_paged_kv_goodput_requests_per_second",
+                 'hf_paged_kv_controller_actions_total{knob="watermark"} 0.0',
+                 'hf_paged_kv_controller_actions_total{knob="state"} 0.0',
+                 'hf_paged_kv_requests_total{outcome="failed"} 0.0'):
         assert line in text
     prompt = list(range(3, 60))
     with engine:  # the engine samples its signals every step, and once more as it stops

@@ -332,6 +332,23 @@ def test_the_disk_budget_keeps_a_reachable_prefix(model, tmp_path):
     assert request(model, torch.cat([system, tokens(6, 4)]))[0] == 24
 
 
+def test_persist_over_the_disk_budget_keeps_the_prefix_reachable_after_a_restart(model, tmp_path):
+    """`persist` writes from the first block; the first the budget cannot keep ends it: each
+    later block would make room by dropping its own ancestors, leaving files no lookup reaches."""
+    size = file_size(model, tmp_path)
+    budget = 2 * size + size // 2
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path, disk_bytes=budget))
+    system = tokens(40, 5)  # five blocks, room for two
+    assert hf_paged_kv.persist(model, system) == 2 * BLOCK
+    hf_paged_kv.disable(model)
+    restarted = make_model("llama", seed=51)  # a new process: the same weights, a fresh pool on the directory
+    pool = hf_paged_kv.enable(restarted, pool=KVPool(num_blocks=24, block_size=BLOCK, disk_dir=tmp_path,
+                                                     disk_bytes=budget))
+    assert pool.stats()["disk_blocks"] == 2
+    assert hf_paged_kv.cached_tokens(restarted, system) == {"device": 0, "host": 0, "disk": 2 * BLOCK}
+    hf_paged_kv.disable(restarted)
+
+
 def test_disk_files_expire_like_memory(model, tmp_path):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, ttl=10.0, disk_dir=tmp_path))
     clock = manual_clock(pool)

@@ -36,6 +36,7 @@ class LoadControl:
             if engine.limits.per_token_target is None:  # forwards are paced (pacing), decodes yield (yielding)
                 engine.limits.per_token_target = slo.per_token
             for name, value in self.controller.settings().items():
+                engine.metrics.controller_actions.labels(name)  # a series from the start, at 0: rate() works
                 if name != "state":
                     engine.metrics.knobs.labels(name).set(value)
             self._show_state()

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+OUTCOMES = ("finished", "rejected", "cancelled", "failed")
 COUNTERS = ("requests_finished", "requests_rejected", "requests_cancelled", "requests_failed", "preemptions",
             "preemptions_for_first_tokens", "max_running", "tokens_prefilled", "tokens_inherited",
             "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps", "controller_faults")
@@ -42,6 +43,8 @@ class EngineMetrics:
         self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since the engine's first start")
         self.availability = gauge("availability_ratio", "Requests within the SLO targets / requests submitted")
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
+        for outcome in OUTCOMES:  # every series from the start, at 0: a rate() or an alert on it works at once
+            self.requests.labels(outcome)
         self.preemptions = counter("preemptions", "Preemptions by mode, and why: memory ran out, or a decode "
                                    "yielded its memory to a first token", ["mode", "reason"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens by where their KV came from (recomputed: "
