@@ -59,6 +59,7 @@ from transformers import ContinuousBatchingConfig, DynamicCache, GenerationConfi
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, SemanticIndex
+from hf_paged_kv.engine import openmp
 
 FULL = dict(questions=16, question_tokens=24, system_tokens=600, new_tokens=8, turn_tokens=30, turn_system=200,
             turn_reply=24, doc_tokens=500, doc_question=20, pool_mib=256)
@@ -117,9 +118,13 @@ def support_bot(bench: Bench, sequential_only: bool = False) -> str:
                 outs.append(greedy(plain, prompt, DynamicCache(), new))
         return timer.seconds, dict(tokens=outs, hits=0)
 
-    note("support bot: sequential calls")
-    seq = alternate({"dynamic": dynamic_sequential, "cold": lambda: paged_sequential(False),
-                     "warm": lambda: paged_sequential(True)}, bench.args.repeats, progress="support, sequential: ")
+    systems = {"dynamic": dynamic_sequential, "cold": lambda: paged_sequential(False),
+               "warm": lambda: paged_sequential(True)}
+    if not sequential_only:  # one alternation for all: ratios between them compare runs of the same rounds
+        batch_systems, batch_summary = batched(bench, system, prompts)
+        systems |= batch_systems
+    note("support bot: sequential calls" + ("" if sequential_only else " and one batched call"))
+    seq = alternate(systems, bench.args.repeats, progress="support: ")
     reference = seq["dynamic"]["outputs"][0]["tokens"]  # per-request greedy generate
     for kind in ("cold", "warm"):
         for run in seq[kind]["outputs"]:
@@ -142,7 +147,7 @@ def support_bot(bench: Bench, sequential_only: bool = False) -> str:
         return (f"{title}, sequential calls only (target >= 3x):\n\n{markdown_table(header, rows)}\n\n"
                 f"{method(bench.args.repeats, what)}")
 
-    batched_rows, memory_rows, cb_note = batched(bench, system, prompts, reference, seq)
+    batched_rows, memory_rows, cb_note = batch_summary(seq, reference)
     rows += batched_rows
     return (f"{title} (targets: >= 3x DynamicCache and generate_batch; KV bytes <= 0.3x):\n\n"
             f"{markdown_table(header, rows)}\n\n{cb_note}\n\n"
@@ -150,13 +155,13 @@ def support_bot(bench: Bench, sequential_only: bool = False) -> str:
             + f"\n\n{method(bench.args.repeats, what)}")
 
 
-def batched(bench: Bench, system, prompts, reference, seq):
-    """The same requests as one batched call, and through transformers' generate_batch."""
-    size, model, plain, checks = bench.size, bench.model, bench.plain, bench.checks
-    n, new = size["questions"], size["new_tokens"]
-    generated = n * new
+def batched(bench: Bench, system, prompts):
+    """The same requests as one batched call, and through transformers' generate_batch: the
+    systems to time, and what makes their rows of the runs (`summary(runs, reference)`)."""
+    size, model, plain = bench.size, bench.model, bench.plain
+    new = size["new_tokens"]
     ids, mask = left_pad(prompts, bench.tokenizer.pad_token_id)
-    state = {}
+    state = {"prompt_tokens": sum(map(len, prompts))}
 
     def dynamic_batch():
         cache = DynamicCache()
@@ -170,14 +175,13 @@ def batched(bench: Bench, system, prompts, reference, seq):
         pool = bench.fresh_pool()
         if warm:
             hf_paged_kv.publish(model, system)
-        before = pool.stats()["hit_tokens_prefix"]
         with PagedCache() as cache:
             with Timer() as timer:
                 out = greedy(model, ids, cache, new, mask)
             state[f"{kind}_bytes"] = paged_cache_bytes(cache)
-        stats = pool.stats()
-        state[f"{kind}_stats"] = stats
-        state[f"{kind}_hits"] = stats["hit_tokens_prefix"] - before
+            # the rows' own (the pool's hit count adds the shared pre-pass's lookup of the published prompt)
+            state[f"{kind}_hits"] = sum(cache.inherited)
+        state[f"{kind}_stats"] = pool.stats()
         return timer.seconds, out
 
     # transformers' continuous batching: its own paged KV (blocks of 256 tokens by default), sized for every request
@@ -189,17 +193,28 @@ def batched(bench: Bench, system, prompts, reference, seq):
 
     def continuous_batching():
         cb_config = ContinuousBatchingConfig(num_blocks=cb_blocks, max_batch_tokens=cb_tokens)
+        # its forwards run on a thread of its own: this thread's idle OpenMP workers would slow
+        # each of them by up to 1.5x (hf_paged_kv.engine.openmp), as bench_engine does for it too
+        openmp.release_workers()
         with torch.no_grad():  # not inference_mode: generate_batch updates its tensors in place outside it
             with Timer() as timer:
                 results = plain.generate_batch(inputs=prompts, generation_config=config,
                                                continuous_batching_config=cb_config)
         return timer.seconds, [list(r.generated_tokens) for r in results.values()]
 
-    note("support bot: one batched call")
-    runs = alternate({"dynamic": dynamic_batch, "cold": lambda: paged_batch(False), "warm": lambda: paged_batch(True),
-                      "generate_batch": continuous_batching}, bench.args.repeats, progress="support, batched: ")
-    dyn_out = runs["dynamic"]["outputs"][0]
-    ok = {k: all(torch.equal(o, dyn_out) for o in runs[k]["outputs"]) for k in ("cold", "warm")}
+    systems = {"dynamic batch": dynamic_batch, "cold batch": lambda: paged_batch(False),
+               "warm batch": lambda: paged_batch(True), "generate_batch": continuous_batching}
+    return systems, lambda runs, reference: batch_rows(bench, runs, reference, state, cb_blocks, cb_tokens)
+
+
+def batch_rows(bench: Bench, runs: dict, reference, state: dict, cb_blocks: int, cb_tokens: int):
+    """The batched call's rows (speed and memory) and the note on generate_batch, from `runs` of
+    every system of the support bot (the sequential ones too: the same rounds)."""
+    checks, n, new = bench.checks, bench.size["questions"], bench.size["new_tokens"]
+    generated, cb_block = n * new, ContinuousBatchingConfig().block_size
+    total_prompt = int(state["prompt_tokens"])
+    dyn_out = runs["dynamic batch"]["outputs"][0]
+    ok = {k: all(torch.equal(o, dyn_out) for o in runs[f"{k} batch"]["outputs"]) for k in ("cold", "warm")}
     for kind, good in ok.items():
         checks.expect(good, f"support bot, batched, {kind} pool: tokens differ from DynamicCache's batched call")
 
@@ -216,19 +231,18 @@ def batched(bench: Bench, system, prompts, reference, seq):
                   "(packed forwards are not bit-identical to separate ones)."))
 
     t = {k: runs[k]["median"] for k in runs}
-    rows = [["one batched call", "DynamicCache", f"{generated / t['dynamic']:.2f}", "1.00x", "", ""],
-            ["", "PagedCache, cold pool", f"{generated / t['cold']:.2f}", f"{t['dynamic'] / t['cold']:.2f}x",
-             f"{state['cold_hits']}", yes_no(ok["cold"])],
-            ["", "PagedCache, warm pool (system prompt published)", f"{generated / t['warm']:.2f}",
-             f"{t['dynamic'] / t['warm']:.2f}x", f"{state['warm_hits']}", yes_no(ok["warm"])],
+    dyn = t["dynamic batch"]
+    rows = [["one batched call", "DynamicCache", f"{generated / dyn:.2f}", "1.00x", "", ""],
+            ["", "PagedCache, cold pool", f"{generated / t['cold batch']:.2f}", f"{dyn / t['cold batch']:.2f}x",
+             f"{state['cold_hits']} of {total_prompt}", yes_no(ok["cold"])],
+            ["", "PagedCache, warm pool (system prompt published)", f"{generated / t['warm batch']:.2f}",
+             f"{dyn / t['warm batch']:.2f}x", f"{state['warm_hits']} of {total_prompt}", yes_no(ok["warm"])],
             ["", "transformers generate_batch", f"{generated / t['generate_batch']:.2f}",
-             f"{t['dynamic'] / t['generate_batch']:.2f}x", "", cb_same],
-            ["PagedCache sequential, cold pool vs generate_batch", "", "",
-             f"{t['generate_batch'] / seq['cold']['median']:.2f}x", "", ""],
-            ["PagedCache sequential, warm pool vs generate_batch", "", "",
-             f"{t['generate_batch'] / seq['warm']['median']:.2f}x", "", ""],
-            ["PagedCache batch, warm pool vs generate_batch", "", "", f"{t['generate_batch'] / t['warm']:.2f}x", "",
-             ""]]
+             f"{dyn / t['generate_batch']:.2f}x", "", cb_same]]
+    for kind, pool in (("sequential", "cold"), ("sequential", "warm"), ("batch", "cold"), ("batch", "warm")):
+        key = pool if kind == "sequential" else f"{pool} batch"
+        rows.append([f"PagedCache {kind}, {pool} pool vs generate_batch", "", "",
+                     f"{t['generate_batch'] / t[key]:.2f}x", "", ""])
 
     dyn_bytes = state["dynamic_bytes"]
     cold, warm = state["cold_stats"], state["warm_stats"]

@@ -58,7 +58,7 @@ class DiskTier:
         self.max_bytes = max_bytes
         self.counters = dict.fromkeys(("disk_writes", "disk_hits", "disk_rejects", "disk_drops", "disk_expirations",
                                        "disk_write_errors", "disk_delete_errors"), 0)
-        self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta, policy clock)
+        self.catalog: dict[bytes, tuple[Path, int, BlockMeta]] = {}  # digest -> (path, bytes, meta on the policy clock)
         self.unusable: dict[Path, int] = {}  # block files this pool cannot load (another model's, damaged) -> bytes
         self.bytes_used = 0  # of both
         self.leaves = LeafQueue(policy)  # which file goes when the budget is exceeded, by digest
