@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 from common import (
-    alternate, arguments, check_repeats, load_model, markdown_table, method, model_name, prompts_of_lengths,
+    alternate, arguments, check_repeats, load_model, markdown_table, model_name, prompts_of_lengths,
     record,
 )
 
@@ -123,7 +123,9 @@ def main(argv=None) -> None:
         f"### Block size ({model_name(args.smoke)}, fp32, torch backend)",
         f"{len(lengths)} real chat prompts + 64 generated tokens (lengths {min(lengths)}..{max(lengths)}); a shared "
         f"system prompt of {system} tokens; decode at a {context}-token context, batch 1, {steps} steps per timed "
-        f"run. {method(args.repeats)}",
+        f"run. Method: median of {args.repeats} runs of each block size's decode after an untimed warm-up run; the "
+        "block sizes run one after another, each on its own pool, not alternated (drift between them shows in the "
+        "decode columns); planning and the advisor's columns are computed, not timed against a baseline.",
         markdown_table(["block size", "memory in partial blocks", "system prompt recomputed", "planning a decode "
                         f"step of a {context}-token row, us", "decode ms/token, contiguous",
                         "decode ms/token, fragmented"], rows),

@@ -70,8 +70,10 @@ from bench_engine import (
     pct,
     per_token,
     pick_device,
+    poisson,
     serve_cb,
     serve_engine,
+    serve_generate,
     stop_ids,
 )
 from common import Checks, arguments, markdown_table, model_name, note, prompts_of_lengths
@@ -227,10 +229,11 @@ def in_slo(o, slo: SLO) -> bool:
     return o.first - o.arrival <= slo.ttft and (tok is None or tok <= slo.per_token)
 
 
-def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
+def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float, reference: list[list[int]]) -> dict:
     peak = [at_peak(r, duration) for r in reqs]
     outs = run.outcomes
     done = [o for o in outs if completed(o)]
+    mismatched = [r.index for r, o, tokens in zip(reqs, outs, reference) if completed(o) and o.tokens != tokens]
     done_at_peak = [o for o, p in zip(outs, peak) if p and completed(o)]
 
     def ttft(os):
@@ -245,6 +248,7 @@ def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float) -> dict:
     kv_total = run.extra.get("kv_total") or 1
     return dict(
         submitted=len(outs), completed=len(done), completed_peak=len(done_at_peak), within=within,
+        mismatched=mismatched,
         availability=within / len(outs),
         availability_peak=sum(in_slo(o, slo) for o, p in zip(outs, peak) if p) / max(1, sum(peak)),
         high_availability=(sum(in_slo(o, slo) for o in outs if o.priority == 1)
@@ -295,7 +299,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
     ]
     header = ["system", "availability (peak)", "priority 1 availability", "goodput req/s", "completed",
               "refused (gave up)", "refusals / retries", "lost", "preemptions (yielding to first tokens)",
-              "peak KV MiB (share)", "peak host tier MiB", "max / mean running", "max waiting"]
+              "peak KV MiB (share)", "peak host tier MiB", "max / mean running", "max waiting",
+              "same tokens as per-request generate"]
     rows = []
     for name in names:
         s = summaries[name]
@@ -305,7 +310,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
                      "-" if s["preemptions"] is None else f"{s['preemptions']} ({s['yielded'] or 0})",
                      f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})",
                      "-" if s["peak_host"] is None else mib(s["peak_host"]), f"{s['max_running']:.0f} / "
-                     f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}"])
+                     f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}",
+                     "yes" if not s["mismatched"] else f"NO: {len(s['mismatched'])} of {s['completed']}"])
     lines += ["", "**Service** (availability: requests completed within both targets / requests submitted; time to "
                   "first token counted from the first submission, retries included):", "",
               markdown_table(header, rows)]
@@ -339,8 +345,10 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
     runs = f"{args.repeats} runs" if args.repeats > 1 else "one run"
     lines += ["", f"Method: {runs} of each system over the same seeded trace in real time (the order rotated per "
                   f"repeat; figures of the "
-                  f"{'median run by availability' if args.repeats > 1 else 'run'}), after an untimed warm-up of the "
-                  f"engine (the calibration) and of transformers CB; client and servers in one process on this machine "
+                  f"{'median run by availability' if args.repeats > 1 else 'run'}), after an untimed warm-up of each "
+                  "(4 requests; and the calibration, when it ran, on the engine); the tokens of every completed "
+                  "request compared with per-request greedy `generate` (DynamicCache, untimed; a difference in "
+                  "either engine fails the run); client and servers in one process on this machine "
                   f"({torch.get_num_threads()} torch threads). Queue, running sequences and KV usage are sampled every "
                   f"{size['period']} s; time to first token counts from the request's first submission; per-token "
                   "latency is per request (last - first token) / (tokens - 1); percentiles are over requests. Both "
@@ -540,8 +548,14 @@ def main() -> int:
                                             period=size["period"]),
     }
     names = list(systems)
-    note("warm-up: transformers CB")
-    serve_cb(plain, [Req(r.index, r.prompt, r.max_new) for r in reqs[:4]], stop, size, pad_id)
+    note("reference: per-request greedy generate (DynamicCache), every request alone, untimed")
+    reference = [o.tokens for o in serve_generate(plain, poisson(reqs, float("inf"), 0), 1, stop, pad_id,
+                                                  "reference").outcomes]
+    warm = [Req(r.index, r.prompt, r.max_new) for r in reqs[:4]]
+    note("warm-up: the engine with and without the controller, transformers CB")
+    for controller in (True, False):  # also when the calibration (which serves requests on it) was skipped
+        serve_engine(model, warm, stop, size, "warm-up", controller, slo, thresholds)
+    serve_cb(plain, warm, stop, size, pad_id)
 
     runs = {name: [] for name in names}
     for round_ in range(args.repeats):
@@ -551,19 +565,24 @@ def main() -> int:
             runs[name].append(systems[name]())
 
     def chosen(name):
-        by = sorted(runs[name], key=lambda run: summarize(run, reqs, slo, duration)["availability"])
+        by = sorted(runs[name], key=lambda run: summarize(run, reqs, slo, duration, reference)["availability"])
         return by[len(by) // 2]
 
     picked = {name: chosen(name) for name in names}
-    summaries = {name: summarize(picked[name], reqs, slo, duration) for name in names}
+    summaries = {name: summarize(picked[name], reqs, slo, duration, reference) for name in names}
     checks = Checks()
+    checks.expect(all(t is not None for t in reference), "per-request generate failed a request: no reference")
     for name in names[:2]:
         for run in runs[name]:
+            differ = summarize(run, reqs, slo, duration, reference)["mismatched"]
+            checks.expect(not differ, f"{name}: {len(differ)} requests' tokens differ from per-request generate "
+                                      f"(requests {differ[:8]})")
             checks.expect(run.extra["leaked"] == 0, f"{name}: {run.extra['leaked']} blocks still referenced after "
                                                     "every request finished")
             failed = [o.error for o in run.outcomes if o.error and not o.refused and "deadline" not in o.error]
             checks.expect(not failed, f"{name}: {len(failed)} requests failed ({failed[:2]})")
-    every_run = {name: [summarize(run, reqs, slo, duration)["availability"] for run in runs[name]] for name in names}
+    every_run = {name: [summarize(run, reqs, slo, duration, reference)["availability"] for run in runs[name]]
+                 for name in names}
     body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound)
     if not checks.failures:
         body += "\n\n" + plot(args, size, reqs, slo, names, picked)
