@@ -117,6 +117,14 @@ def manual_clock(pool) -> list[float]:
     return clock
 
 
+def droppable(metas: dict, now: float) -> list:
+    """The reference scan `LeafQueue` must agree with: the keys of `metas` a tier may drop without
+    stranding another block it holds, leaves (no block held names them as its parent) and
+    expired blocks (nothing past an expired block is reachable either)."""
+    parents = {m.parent for m in metas.values()}
+    return [key for key, m in metas.items() if m.expired(now) or m.digest not in parents]
+
+
 def assert_pool_clean(pool):
     """After every request finished, each block is free or cached with reference count 0, apart
     from the references pins and semantic entries hold: nothing leaked, and the counts add up."""

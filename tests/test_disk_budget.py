@@ -8,10 +8,10 @@ import random
 
 import pytest
 import torch
+from conftest import droppable
 
 from hf_paged_kv.policy import BlockMeta, Policy
 from hf_paged_kv.tiers.disk import DiskTier
-from hf_paged_kv.tiers.host import droppable
 
 SHAPES = [(2, 2, 4)] * 2
 

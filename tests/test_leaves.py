@@ -7,9 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import droppable
 
 from hf_paged_kv.policy import BlockMeta, Policy
-from hf_paged_kv.tiers.host import droppable
 from hf_paged_kv.tiers.leaves import LeafQueue
 
 

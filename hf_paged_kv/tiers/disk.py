@@ -24,7 +24,7 @@ The directory has a byte budget covering every block file this pool knows of: th
 when it read the directory and those it wrote (another process writing to the same directory
 is not seen, so two of them can exceed it together: give each its own). When a write exceeds it,
 files this pool cannot use (another model's, damaged ones) go first, then expired files and
-leaves of lowest value (the same value as in memory, see `host.droppable`: a lookup stops at the
+leaves of lowest value (the same value as in memory, see `tiers.leaves`: a lookup stops at the
 first missing block, so an inner block never goes before its continuations), and the new file
 itself when nothing else can go. A running byte count and a `LeafQueue` find them without a scan
 of the catalogue: a write into a full directory of 16,384 small files takes 0.26 ms, against
@@ -150,7 +150,6 @@ class DiskTier:
         path, size, known = self.catalog[meta.digest]
         now, half_life = self.policy.now(), self.policy.half_life
         if meta.weight_at(now, half_life) > known.weight_at(now, half_life):
-            self._release(meta.digest)
             self._hold(path, size, replace(meta.as_of(now, half_life), expires=known.expires))
 
     def _write_failed(self, partial: Path, error: Exception) -> None:
@@ -239,7 +238,10 @@ class DiskTier:
             self.counters["disk_drops"] += 1
 
     def _hold(self, path: Path, size: int, meta: BlockMeta) -> None:
-        """Catalogue a usable file (in place of an unusable one of that name, if any)."""
+        """Catalogue a usable file (in place of an unusable one of that name, or of its own older
+        entry, if any)."""
+        if meta.digest in self.catalog:
+            self._release(meta.digest)
         self.bytes_used += size - self.unusable.pop(path, 0)
         self.catalog[meta.digest] = (path, size, meta)
         self.leaves.add(meta.digest, meta)

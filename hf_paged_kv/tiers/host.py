@@ -17,20 +17,11 @@ an inner block would strand every block after it. The disk tier drops the same w
 from __future__ import annotations
 
 import time
-from typing import Hashable, Mapping
 
 import torch
 
 from ..policy import BlockMeta, Policy
 from .leaves import LeafQueue
-
-
-def droppable(metas: Mapping[Hashable, BlockMeta], now: float) -> list[Hashable]:
-    """The keys of `metas` a tier may drop without stranding another block it holds: leaves
-    (no block held names them as its parent) and expired blocks (nothing past an expired block
-    is reachable either)."""
-    parents = {m.parent for m in metas.values()}
-    return [key for key, m in metas.items() if m.expired(now) or m.digest not in parents]
 
 
 class HostTier:
@@ -69,9 +60,9 @@ class HostTier:
         self.counters["demotions"] += 1
 
     def lowest(self) -> tuple[BlockMeta, list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Remove an expired block or the lowest-value leaf (see `droppable`; found by
-        `LeafQueue` without a scan); returns its metadata and data (views, valid until the next
-        store) for the next tier down."""
+        """Remove an expired block or the lowest-value leaf (found by `LeafQueue`, without a
+        scan); returns its metadata and data (views, valid until the next store) for the next
+        tier down."""
         slot = self.leaves.lowest(self.policy.now())
         meta = self.metas[slot]
         layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]

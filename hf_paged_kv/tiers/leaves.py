@@ -2,9 +2,10 @@
 
 A tier may drop a leaf (no block it holds names it as parent: a lookup stops at the first
 missing block, so dropping an inner one would strand the blocks after it) or an expired block,
-expired ones first and then the lowest value (`policy`). `host.droppable` finds them by a scan
-of the tier; a host tier of 16,384 blocks took 2.3 ms per demotion that way, under the pool's
-lock. `LeafQueue` keeps them in two heaps instead:
+expired ones first and then the lowest value (`policy`). A scan of the tier finds them (the
+tests keep one as the reference); a host tier of 16,384 blocks took 2.3 ms per demotion that
+way, under the pool's lock, a full disk tier of 16,384 files 21.7 ms per write. `LeafQueue`
+keeps them in two heaps instead:
 
 - values all decay at the same rate, so their order does not change with time: leaves are
   ranked once, by `Policy.rank` (re-ranked only when the half-life changes);
