@@ -125,7 +125,7 @@ def main(argv=None) -> None:
         f"system prompt of {system} tokens; decode at a {context}-token context, batch 1, {steps} steps per timed "
         f"run. Method: median of {args.repeats} runs of each block size's decode after an untimed warm-up run; the "
         "block sizes run one after another, each on its own pool, not alternated (drift between them shows in the "
-        "decode columns); planning and the advisor's columns are computed, not timed against a baseline.",
+        "decode columns); planning is timed once per size (a mean over steps), the advisor's columns are computed.",
         markdown_table(["block size", "memory in partial blocks", "system prompt recomputed", "planning a decode "
                         f"step of a {context}-token row, us", "decode ms/token, contiguous",
                         "decode ms/token, fragmented"], rows),

@@ -35,8 +35,8 @@ request: (last - first token) / (tokens - 1)), max and mean concurrent sequences
 50 ms; the engine's max is its exact high-water mark), preemptions, peak KV bytes, failed
 requests, and whether every request's tokens equal per-request greedy `generate`. Also the
 compute floor (the model alone on the unique prompt tokens and the output tokens in the fewest
-forwards of at most `max_batch_tokens` that any schedule can use, measured in the same run) with
-the engine's time relative to it, split into the cost of its schedule (the model alone replaying
+forwards of at most `max_batch_tokens` that any schedule can use, or on the engine's own forwards
+replayed where that was cheaper, measured in the same run) with the engine's time relative to it, split into the cost of its schedule (the model alone replaying
 the engine's forwards) and the engine's own cost, and the engine's concurrency against a static
 reservation of prompt + max_new_tokens per request.
 
@@ -857,7 +857,9 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
               f"Compute floor: {floor:.2f} s = the model alone (never enabled, SDPA) on the "
               f"{unique_prompt_tokens(base)} unique prompt tokens and the {output_tokens} output tokens in the "
               f"cheapest of the schedules below, forwards of at most {size['batch_tokens']} tokens (positions "
-              "restarting per sequence, logits only for the output tokens). "
+              "restarting per sequence, logits only for the output tokens; a replay feeds what the engine fed: "
+              "no request's last token, prefixes shared by whole blocks, any recompute after a preemption). "
+              "Where a replay is the floor, the schedule's row reads 1.00x at that rate by construction. "
               f"{len(shapes['even'])} forwards is the fewest any schedule can use: no forward holds more than "
               f"{size['batch_tokens']} tokens, and a request with L output tokens needs L forwards, since each "
               f"token after its first is fed back in the next one (the longest output here is {max(outputs)} "

@@ -134,10 +134,10 @@ def restart(tokenizer, smoke, size, repeats, checks: Checks) -> str:
         del first
 
         def after_restart(disk):
-            if disk is not None:
-                forget_pages(disk)  # read from the disk, as after a reboot, not from the page cache
             fresh, _ = load_model(smoke)  # the restarted process: a new model object and a new pool
             pool = hf_paged_kv.enable(fresh, pool=KVPool(num_blocks=size["restart_pool"], disk_dir=disk))
+            if disk is not None:  # after the pool read the files' headers: the request reads them from the disk
+                forget_pages(disk)
             timer = Timer()
             out = serve(fresh, prompt, 1, timer)
             stats = pool.stats()

@@ -193,7 +193,7 @@ class Timer:
 
 def alternate(systems: dict, repeats: int, warmup: bool = True, progress: str = "") -> dict:
     """Run each `systems[name]()` (returning `(seconds, output)`) once untimed as a warm-up, then
-    `repeats` rounds with the order rotated every round. Returns `{name: {"times": [...],
+    `repeats` rounds in an order rotated every other round and reversed in between. Returns `{name: {"times": [...],
     "median": s, "outputs": [...]}}` (outputs of the timed rounds)."""
     names = list(systems)
     if warmup:
@@ -202,8 +202,11 @@ def alternate(systems: dict, repeats: int, warmup: bool = True, progress: str = 
             systems[name]()
     runs = {name: {"times": [], "outputs": []} for name in names}
     for round_ in range(repeats):
-        shift = round_ % len(names)
-        for name in names[shift:] + names[:shift]:
+        # rotated every other round and reversed in between: the systems take turns going first,
+        # and none always follows the same one (a rotation alone keeps every neighbour)
+        shift = (round_ // 2) % len(names)
+        order = names[shift:] + names[:shift]
+        for name in order[::-1] if round_ % 2 else order:
             note(f"{progress}run {round_ + 1}/{repeats}: {name}")
             seconds, output = systems[name]()
             runs[name]["times"].append(seconds)
@@ -216,7 +219,8 @@ def alternate(systems: dict, repeats: int, warmup: bool = True, progress: str = 
 def method(repeats: int, what: str = "") -> str:
     """The sentence every section puts next to its figures."""
     return (f"Method: median of {repeats} runs per system after one untimed warm-up run of each; the systems run "
-            f"alternately in one process, their order rotated every run{what}.")
+            f"alternately in one process, their order rotated every other run and reversed in between (none "
+            f"always follows the same one){what}.")
 
 
 _START = time.perf_counter()
