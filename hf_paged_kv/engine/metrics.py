@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 OUTCOMES = ("finished", "rejected", "cancelled", "failed")
-COUNTERS = ("requests_finished", "requests_rejected", "requests_cancelled", "requests_failed", "preemptions",
+COUNTERS = (*(f"requests_{outcome}" for outcome in OUTCOMES), "preemptions",
             "preemptions_for_first_tokens", "max_running", "tokens_prefilled", "tokens_inherited",
             "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps", "controller_faults")
 
