@@ -83,3 +83,14 @@ def test_the_disk_budget_drops_what_a_scan_drops_and_counts_every_byte(tmp_path,
         assert tier.used_bytes() == files_on_disk(tmp_path / "tier")
         assert tier.stats()["disk_drops"] + tier.stats()["disk_expirations"] >= drops
     assert drops > 0
+
+
+def test_an_expired_block_is_not_written(tmp_path):
+    clock = [100.0]
+    policy = Policy(half_life=60.0, clock=lambda: clock[0])
+    tier = DiskTier(tmp_path, 1 << 20, SHAPES, torch.float32, policy, "m")
+    layers = [(torch.randn(s), torch.randn(s)) for s in SHAPES]
+    assert not tier.write(BlockMeta(b"old", "t", 0, "m", expires=100.0), layers)
+    assert tier.write(BlockMeta(b"new", "t", 0, "m", expires=100.5), layers)
+    assert list(tier.catalog) == [b"new"] and len(list(tmp_path.glob("*.kvblock"))) == 1
+    assert tier.stats()["disk_writes"] == 1

@@ -45,7 +45,7 @@ class TierChain:
                 return
             if self.host.full():
                 dropped, data = self.host.lowest()
-                if self.disk is not None and not dropped.expired(now):
+                if self.disk is not None:
                     self.disk.write(dropped, data)
             self.host.store(meta, layers)
         elif self.disk is not None:

@@ -16,9 +16,9 @@ pool stays consistent, the error is warned once and counted in `disk_write_error
 
 Files keep wall-clock times, which survive restarts; the catalogue holds them on the policy's
 clock (converted once, when the directory is read), so that expiry and value are measured as in
-memory. A block keeps its expiry: an expired file is deleted, never loaded, and counted in
-`disk_expirations`; with a TTL, a file older than the TTL counts as expired when the directory
-is read.
+memory. A block keeps its expiry: an expired block is never written; an expired file is deleted,
+never loaded, and counted in `disk_expirations`; with a TTL, a file older than the TTL counts as
+expired when the directory is read.
 
 The directory has a byte budget covering every block file this pool knows of: those it found
 when it read the directory and those it wrote (another process writing to the same directory
@@ -126,8 +126,10 @@ class DiskTier:
 
     # ---------------------------------------------------------------- write
     def write(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
-        """Store one block (`(key, value)` per layer, any device); False if the write failed or
-        the budget could not keep it."""
+        """Store one block (`(key, value)` per layer, any device); False if it has expired, the
+        write failed or the budget could not keep it."""
+        if meta.expired(self.policy.now()):  # no lookup could use it: a file would only take room
+            return False
         if self.contains(meta.digest):  # a block loaded from here and evicted again: it keeps its file
             self._refresh(meta)
             return True
