@@ -14,10 +14,18 @@ from test_yielding import decoding
 from hf_paged_kv import Engine, KVPool
 from hf_paged_kv.engine.costs import StepCosts
 from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, step_budget
+from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits
 
 TARGET = 0.3
 LIMITS = Limits(max_batch_tokens=512, per_token_target=TARGET)
+
+
+def queued(prompt: int, arrived: float) -> Request:
+    return Request(list(range(3, 3 + prompt)), SamplingParams(max_new_tokens=8), arrived=arrived)
+
+
+QUEUED = [queued(40, time.monotonic())]  # a prompt waiting; without a TTFT target, only that one waits matters
 
 
 def costs_of(fixed: float, per_token: float) -> StepCosts:
@@ -48,19 +56,19 @@ def test_tokens_within_reads_the_fitted_line():
 def test_the_allowance_is_the_time_to_the_targets_pace_or_one_target_since_the_last_token():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     fresh = started(1, since=0.0, last=0.0, now=now)  # its second token is due within one target
-    assert step_budget([fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    assert step_budget([fresh], QUEUED, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
     paced = started(3, since=0.5, last=0.1, now=now)  # 3 tokens: the 4th due 0.9 s after the first, 0.4 s from now
-    assert step_budget([paced], True, LIMITS, costs, now) == pytest.approx(290, abs=1)  # n - 1: 120, n + 1: 512
+    assert step_budget([paced], QUEUED, LIMITS, costs, now) == pytest.approx(290, abs=1)  # n - 1: 120, n + 1: 512
     behind = started(5, since=3.0, last=0.1, now=now)  # behind its pace: one target since its last token
-    assert step_budget([behind], True, LIMITS, costs, now) == pytest.approx(costs.tokens_within(MARGIN * 0.2), abs=1)
+    assert step_budget([behind], QUEUED, LIMITS, costs, now) == pytest.approx(costs.tokens_within(MARGIN * 0.2), abs=1)
 
 
 def test_requests_ahead_of_their_target_cap_nothing_and_the_tightest_sets_the_budget():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     ahead = started(40, since=2.0, last=0.05, now=now)  # 40 tokens in 2 s: 10 s of its target's pace left
-    assert step_budget([ahead], True, LIMITS, costs, now) == 512
+    assert step_budget([ahead], QUEUED, LIMITS, costs, now) == 512
     fresh = started(1, since=0.0, last=0.0, now=now)
-    assert step_budget([ahead, fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    assert step_budget([ahead, fresh], QUEUED, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
 def test_only_decoding_requests_cap_the_budget():
@@ -70,26 +78,26 @@ def test_only_decoding_requests_cap_the_budget():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     prefilling = decoding(0, since=0.0, now=now)
     prefilling.first_token, prefilling.computed = None, 4  # still feeding its prompt
-    assert step_budget([prefilling], True, LIMITS, costs, now) == 512
+    assert step_budget([prefilling], QUEUED, LIMITS, costs, now) == 512
     resumed = started(1, since=0.0, last=0.0, now=now)
     resumed.computed = 2  # recomputing its KV after a preemption
-    assert step_budget([resumed], True, LIMITS, costs, now) == 512
+    assert step_budget([resumed], QUEUED, LIMITS, costs, now) == 512
     fresh = started(1, since=0.0, last=0.0, now=now)  # a decode beside it still sets the pace
-    assert step_budget([resumed, fresh], True, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    assert step_budget([resumed, fresh], QUEUED, LIMITS, costs, now) == costs.tokens_within(MARGIN * TARGET)
 
 
 def test_unpaced_without_a_target_a_cost_line_or_a_prompt_that_could_join():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     fresh = started(1, since=0.0, last=0.0, now=now)
-    assert step_budget([fresh], True, Limits(max_batch_tokens=512), costs, now) == 512
-    assert step_budget([fresh], True, LIMITS, StepCosts(), now) == 512
-    assert step_budget([fresh], False, LIMITS, costs, now) == 512  # nothing waits, everything decodes
+    assert step_budget([fresh], QUEUED, Limits(max_batch_tokens=512), costs, now) == 512
+    assert step_budget([fresh], QUEUED, LIMITS, StepCosts(), now) == 512
+    assert step_budget([fresh], [], LIMITS, costs, now) == 512  # nothing waits, everything decodes
 
 
 def test_prompts_still_advance_when_the_decodes_use_up_the_allowance():
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     decodes = [started(1, since=0.0, last=0.0, now=now) for _ in range(8)]
-    assert step_budget(decodes, True, Limits(max_batch_tokens=512, per_token_target=0.01), costs, now) == 8 + MIN_PREFILL
+    assert step_budget(decodes, QUEUED, Limits(max_batch_tokens=512, per_token_target=0.01), costs, now) == 8 + MIN_PREFILL
 
 
 @pytest.mark.parametrize("per_token_target", [None, 1e-6])
@@ -123,3 +131,28 @@ def test_an_engine_paces_a_prompt_beside_a_decode_it_cannot_afford(per_token_tar
         assert max(sizes[1:]) <= 1 + MIN_PREFILL
         assert late.timings["first_token"] < decoder.timings["finished"]  # it did not wait for the decode to end
     assert_pool_clean(engine.pool)
+
+
+@pytest.mark.parametrize("ttft, waited, prompt, whole", [
+    (0.38, 0.0, 300, True),  # one forward of 301 tokens (0.351 s) in time, two (0.402 s) not: not split
+    (1.0, 0.0, 300, False),  # in time even split: paced
+    (0.38, 0.2, 300, False),  # late even whole: paced
+    (0.38, 0.0, 100, False),  # fits the paced budget anyway
+    (0.7, 0.0, 600, False),  # more than max_batch_tokens: paced
+])
+def test_pacing_does_not_split_a_prompt_that_only_one_forward_gets_in_time(ttft, waited, prompt, whole):
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)  # a forward's fixed cost: 50 tokens' worth
+    limits = Limits(max_batch_tokens=512, per_token_target=TARGET, ttft_target=ttft)
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    paced = costs.tokens_within(MARGIN * TARGET)
+    budget = step_budget([fresh], [queued(prompt, now - waited)], limits, costs, now)
+    assert budget == (1 + prompt if whole else paced)
+
+
+def test_the_next_prompt_in_line_is_a_running_prefill_before_the_queue():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    limits = Limits(max_batch_tokens=512, per_token_target=TARGET, ttft_target=0.38)
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    prefilling = queued(300, now)
+    prefilling.computed = 20  # its first chunk fed: 280 tokens left
+    assert step_budget([fresh, prefilling], [queued(290, now)], limits, costs, now) == 1 + 280

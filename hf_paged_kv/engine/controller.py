@@ -39,7 +39,8 @@ that would delay their first tokens by more than a tenth of the target. It also 
 `Limits.per_token_target` from `SLO.per_token`: with a host tier, running decodes with slack
 against it yield their memory to first tokens (`yielding`); those preemptions are chosen, not
 memory running out, and do not count as pressure. And forwards that carry decodes hold only the
-prompt tokens those decodes can afford against the target (`pacing`).
+prompt tokens those decodes can afford against the target, unless only one whole forward gives
+the next prompt in line its first token in time (`pacing`).
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

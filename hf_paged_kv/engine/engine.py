@@ -221,7 +221,7 @@ class Engine:
             return False
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
-        budget = pacing.step_budget(self.scheduler.running, bool(self.scheduler.waiting), self.limits, self.admission.costs)
+        budget = pacing.step_budget(self.scheduler.running, self.scheduler.waiting, self.limits, self.admission.costs)
         batch = self.scheduler.continuing(budget)
         batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted
