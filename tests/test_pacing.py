@@ -156,3 +156,13 @@ def test_the_next_prompt_in_line_is_a_running_prefill_before_the_queue():
     prefilling = queued(300, now)
     prefilling.computed = 20  # its first chunk fed: 280 tokens left
     assert step_budget([fresh, prefilling], [queued(290, now)], limits, costs, now) == 1 + 280
+
+
+def test_a_preempted_request_waiting_has_had_its_first_token_and_is_not_the_next_prompt():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    limits = Limits(max_batch_tokens=512, per_token_target=TARGET, ttft_target=0.38)
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    preempted = queued(300, now)
+    preempted.first_token = now - 1.0
+    assert step_budget([fresh], [preempted, queued(280, now)], limits, costs, now) == 1 + 280
+    assert step_budget([fresh], [preempted], limits, costs, now) == costs.tokens_within(MARGIN * TARGET)
