@@ -25,7 +25,7 @@ def queued(prompt: int, arrived: float) -> Request:
     return Request(list(range(3, 3 + prompt)), SamplingParams(max_new_tokens=8), arrived=arrived)
 
 
-QUEUED = [queued(40, time.monotonic())]  # a prompt waiting; without a TTFT target, only that one waits matters
+QUEUED = [queued(40, time.monotonic())]  # a prompt waiting; without a TTFT target only whether something waits matters
 
 
 def costs_of(fixed: float, per_token: float) -> StepCosts:

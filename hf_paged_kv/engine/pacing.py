@@ -75,9 +75,11 @@ def unsplit(running: list[Request], waiting: list[Request], decodes: int, paced:
     in this forward, if the paced budget would split it and only one forward gives its first
     token within `Limits.ttft_target`; else 0."""
     target = limits.ttft_target
+    if target is None:
+        return 0
     # running prompts continue before the queue's; a waiting prompt's cached prefix is not counted (a bound from above)
     prompt = next((r for r in [*running, *waiting] if r.first_token is None and r.remaining > 1), None)
-    if target is None or prompt is None:
+    if prompt is None:
         return 0
     needed = decodes + prompt.remaining
     if needed <= paced or needed > limits.max_batch_tokens:
