@@ -434,10 +434,15 @@ def test_the_controller_gives_admission_its_targets_unless_they_are_set():
     assert (controlled.limits.ttft_target, controlled.limits.per_token_target) == (0.8, 0.1)
     assert controlled.stats()["controller"]["ttft_target"] == 0.8
     assert controlled.stats()["controller"]["per_token_target"] == 0.1
+    assert controlled.limits.burst_batch_tokens == 2 * controlled.limits.max_batch_tokens
+    assert controlled.stats()["controller"]["burst_batch_tokens"] == 2 * controlled.limits.max_batch_tokens
     uncontrolled = Engine(model, pool=pool, controller=False, slo=SLO(ttft=0.8)).limits
     assert uncontrolled.ttft_target is None and uncontrolled.per_token_target is None
-    given = Engine(model, pool=pool, slo=SLO(ttft=0.8), limits=Limits(ttft_target=2.0, per_token_target=0.5))
+    assert uncontrolled.burst_batch_tokens is None
+    given = Engine(model, pool=pool, slo=SLO(ttft=0.8),
+                   limits=Limits(ttft_target=2.0, per_token_target=0.5, burst_batch_tokens=300))
     assert (given.limits.ttft_target, given.limits.per_token_target) == (2.0, 0.5)
+    assert given.limits.burst_batch_tokens == 300
     shared = Limits()  # one Limits for two engines: the controlled one must not move the other's
     Engine(model, pool=pool, limits=shared)
     assert shared.ttft_target is None and shared.per_token_target is None

@@ -4,6 +4,7 @@ and an engine that paces still gives `generate`'s tokens."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -166,3 +167,79 @@ def test_a_preempted_request_waiting_has_had_its_first_token_and_is_not_the_next
     preempted.first_token = now - 1.0
     assert step_budget([fresh], [preempted, queued(280, now)], limits, costs, now) == 1 + 280
     assert step_budget([fresh], [preempted], limits, costs, now) == costs.tokens_within(MARGIN * TARGET)
+
+
+BURST = Limits(max_batch_tokens=256, burst_batch_tokens=512, ttft_target=0.45)  # one forward of 400 tokens: in time
+
+
+def test_prompts_arriving_together_get_one_forward_past_the_budget_when_a_split_would_make_one_late():
+    """150 + 150 tokens: 256 then 44 (+ a fixed cost) ends 0.40 s after they came, past 85 % of
+    the 0.45 s target; one forward of 300 ends at 0.35 s. Without a ceiling above the budget, or
+    without a TTFT target, the budget stays."""
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    pair = [queued(150, now), queued(150, now)]
+    assert step_budget([], pair, BURST, costs, now) == 300
+    assert step_budget([], pair, Limits(max_batch_tokens=256, ttft_target=0.45), costs, now) == 256
+    assert step_budget([], pair, Limits(max_batch_tokens=256, burst_batch_tokens=512), costs, now) == 256
+    assert step_budget([], [queued(100, now), queued(100, now)], BURST, costs, now) == 256  # fits anyway
+
+
+def test_the_forward_grows_to_the_last_prompt_a_split_would_make_late_and_never_past_the_target():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    assert step_budget([], [queued(150, now), queued(150, now), queued(20, now)], BURST, costs, now) == 320
+    # a fourth prompt would take one forward past the target for all of them: it is left out
+    assert step_budget([], [queued(150, now), queued(150, now), queued(200, now)], BURST, costs, now) == 300
+    # a prompt already too late for one forward stops the line: those behind it are not weighed
+    assert step_budget([], [queued(150, now - 0.3), queued(150, now)], BURST, costs, now) == 256
+
+
+def test_a_waiting_prompt_counts_only_the_tokens_it_would_compute():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    cached, fresh = queued(400, now), queued(150, now)
+    assert step_budget([], [fresh, cached], BURST, costs, now) == 256  # 550 tokens: never in time
+    uncached = {id(cached): 150, id(fresh): 150}
+    assert step_budget([], [fresh, cached], BURST, costs, now, uncached=lambda r: uncached[id(r)]) == 300
+
+
+def test_a_burst_past_the_budget_leaves_the_decodes_their_pace_where_the_prompts_are_in_time_anyway():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    limits = Limits(max_batch_tokens=256, burst_batch_tokens=512, ttft_target=2.0, per_token_target=TARGET)
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    assert step_budget([fresh], [queued(150, now), queued(150, now)], limits, costs, now) == \
+        costs.tokens_within(MARGIN * TARGET)
+
+
+@pytest.mark.parametrize("burst", [None, 256])
+def test_an_engine_feeds_two_prompts_in_one_forward_past_its_budget_when_only_that_is_in_time(burst, monkeypatch):
+    """Two 60-token prompts queued together (behind a 5-token opener whose forward waits for
+    them), a 64-token budget, a line of 10 ms a token and a
+    1.3 s target: one forward of 120 tokens (1.2 s) gives both their first token in time, a split
+    (64, then 56) the second at about 1.2 s plus a forward's overhead, past 85 % of the target.
+    With `burst_batch_tokens` the engine runs the one forward; without it, no forward passes the
+    budget. Either way the tokens are `generate`'s."""
+    model = make_model("llama", seed=3)
+    pair = prompts([60, 60], seed=7)
+    expected = [alone(model, p) for p in pair]
+    limits = Limits(max_batch_tokens=64, ttft_target=1.3, burst_batch_tokens=burst)
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), limits=limits, controller=False)
+    for tokens in (1, 200) * 16:  # a steep cost line through the origin, kept
+        engine.admission.costs.record(tokens, 0.01 * tokens)
+    monkeypatch.setattr(engine.admission.costs, "record", lambda tokens, seconds: None)
+    sizes, release = [], threading.Event()
+
+    def forward(_, args, kwargs):
+        sizes.append(kwargs["input_ids"].shape[1])
+        release.wait(timeout=60)  # the first forward (the opener's, or all three) waits until both are queued
+
+    hook = model.register_forward_pre_hook(forward, with_kwargs=True)
+    try:
+        with engine:
+            opener = engine.submit(prompts([5], seed=9)[0], max_new_tokens=1)
+            handles = [engine.submit(p, max_new_tokens=NEW) for p in pair]
+            release.set()
+            opener.result(timeout=120)
+            assert [h.result(timeout=120) for h in handles] == expected
+    finally:
+        hook.remove()
+    assert max(sizes) >= 120 if burst else max(sizes) <= 64  # both prompts whole in one forward, or none past 64
+    assert_pool_clean(engine.pool)

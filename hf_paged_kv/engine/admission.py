@@ -54,7 +54,7 @@ class Admission:
     # ------------------------------------------------------------- admit
     def admit(self, budget: int, model: str | None, metrics,
               ends_prompts: bool) -> list[tuple[Request, int]]:
-        """Admit waiting requests in turn (`_in_turn`) while the memory rule and the budget
+        """Admit waiting requests in turn (`in_turn`) while the memory rule and the budget
         allow. When memory turns one away, later requests of its priority that fit may pass it
         while it has waited less than `Limits.backfill_wait` (a burst's short prompts need not
         queue behind a long one); after that, and by a lower priority, it is never passed.
@@ -78,7 +78,7 @@ class Admission:
                 self.prefixes.model = model
             self.prefixes.keep_only(self.scheduler.waiting)
             pinned = self.pool.reuse.pins.pinned_blocks()
-            for request in self._in_turn():
+            for request in self.in_turn():
                 if not self.scheduler.room_for_more(budget):
                     break
                 if blocked is not None and request.effective_priority < blocked.effective_priority:
@@ -118,7 +118,13 @@ class Admission:
                 ends_prompts = ends_prompts or request.ends_prompt(count)
             return admitted
 
-    def _in_turn(self) -> list[Request]:
+    def uncached(self, request: Request) -> int:
+        """The tokens of a waiting request that its prefill would compute now (those not cached in
+        the device pool)."""
+        with self.pool.locked():
+            return self.prefixes.uncached(request)
+
+    def in_turn(self) -> list[Request]:
         """The waiting requests by priority, then by when their prompt would be in had it started
         at arrival (arrival + uncached tokens x recent seconds per token): within a burst the
         short prompts first, while a long prompt is passed only by requests that arrived less
@@ -138,7 +144,8 @@ class Admission:
             late = target is not None and not request.generated and now + compute > request.arrived + target
             return -request.effective_priority, request.arrived + compute + (LATE_YIELD * target if late else 0.0)
 
-        return sorted(self.scheduler.waiting, key=turn)
+        with self.pool.locked():  # the probes read the pool's index
+            return sorted(self.scheduler.waiting, key=turn)
 
     def _why_never_fits(self, request: Request, pinned: set[int]) -> str | None:
         """Why the request's tokens can never fit: more blocks than the pool holds besides the
@@ -237,7 +244,7 @@ class Admission:
 
         brought = 0
         with self.pool.locked():
-            for request in self._in_turn()[:depth]:
+            for request in self.in_turn()[:depth]:
                 brought += self.pool.reuse.bring_back(self.model, request.tenant, np.asarray(request.tokens()),
                                                       promote)
         return brought

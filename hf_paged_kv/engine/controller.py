@@ -40,7 +40,8 @@ that would delay their first tokens by more than a tenth of the target. It also 
 against it yield their memory to first tokens (`yielding`); those preemptions are chosen, not
 memory running out, and do not count as pressure. And forwards that carry decodes hold only the
 prompt tokens those decodes can afford against the target, unless only one whole forward gives
-the next prompt in line its first token in time (`pacing`).
+the prompts in line their first tokens in time; there a forward may also pass the batch budget,
+up to `Limits.burst_batch_tokens`, which it sets to twice the budget (`pacing`).
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

@@ -221,7 +221,10 @@ class Engine:
             return False
         started = time.perf_counter()
         preemptions = self.metrics.counters["preemptions"]
-        budget = pacing.step_budget(self.scheduler.running, self.scheduler.waiting, self.limits, self.admission.costs)
+        # with a TTFT target, the budget reads the prompts in line in admission's order
+        line = self.admission.in_turn() if self.limits.ttft_target is not None else self.scheduler.waiting
+        budget = pacing.step_budget(self.scheduler.running, line, self.limits, self.admission.costs,
+                                    uncached=self.admission.uncached)
         batch = self.scheduler.continuing(budget)
         batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
         if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted

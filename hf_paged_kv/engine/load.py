@@ -35,6 +35,8 @@ class LoadControl:
                 engine.limits.ttft_target = slo.ttft
             if engine.limits.per_token_target is None:  # forwards are paced (pacing), decodes yield (yielding)
                 engine.limits.per_token_target = slo.per_token
+            if engine.limits.burst_batch_tokens is None:  # a forward may grow to give first tokens in time (pacing)
+                engine.limits.burst_batch_tokens = 2 * engine.limits.max_batch_tokens
             for name, value in self.controller.settings().items():
                 engine.metrics.controller_actions.labels(name)  # a series from the start, at 0: rate() works
                 if name != "state":
@@ -197,7 +199,8 @@ class LoadControl:
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
         settings = ({"state": "off"} if self.controller is None else
                     self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,
-                                                 "per_token_target": self.engine.limits.per_token_target})
+                                                 "per_token_target": self.engine.limits.per_token_target,
+                                                 "burst_batch_tokens": self.engine.limits.burst_batch_tokens})
         return self.counts | {
             "goodput": within / elapsed,
             "availability": within / submitted if submitted else 1.0,

@@ -15,16 +15,22 @@ Sarathi-Serve caps every mixed forward at a fixed token budget; this one follows
 slack. Prompts still advance by at least `MIN_PREFILL` tokens a step, so that a target the
 decodes alone use up does not stop every prefill and admission until they finish.
 
-With a time-to-first-token target too (`Limits.ttft_target`), pacing does not split the next
-prompt in line – the first running request still feeding its prompt, else the head of the
-queue – when one forward would give its first token in time and two would not (the second
-forward's fixed cost and the decodes fed again): the decodes may then miss their pace by one
-forward, where the prompt would certainly miss its target. A decode's mean still meets its
-target whenever it generates a few more tokens, which most do; the prompt had no such second
-chance. On bench_load's trace at its calibrated targets (TTFT 0.36 s, per-token 0.24 s), pacing
-without this exception split prompts arriving beside a fresh decode: 21 of 99 first tokens
-late with the controller, 9 with its pacing switched off, 12 without the controller, 11 with
-this exception and no per-token miss (single runs, one after another).
+With a time-to-first-token target too (`Limits.ttft_target`), the forward may take more than
+pacing, or `Limits.max_batch_tokens`, allows, up to `Limits.burst_batch_tokens`, where only that
+gives the prompts in line their first tokens in time (`in_time`): prompts are taken in the order
+admission takes them (running prefills first), each whole, while one forward of all of them
+still ends within every one's target; the forward grows to the last prompt that a split – its
+rest in a second forward, with that forward's fixed cost and the decodes fed again – would make
+late. The decodes may then miss their pace by one forward, where the prompt would certainly miss
+its target: a decode's mean still meets its target whenever it generates a few more tokens, which
+most do; the prompt had no second chance. On bench_load's trace at its calibrated targets (TTFT
+0.36 s, per-token 0.24 s), pacing that split every prompt arriving beside a fresh decode left 21
+of 99 first tokens late with the controller, 9 with its pacing switched off, 12 without the
+controller; keeping the next prompt in line whole, 11 (single runs, one after another). Two
+prompts arriving together (98 and 228 tokens, 181 and 110) missed a 0.41 s target by a few
+hundredths behind a 256-token budget, which one forward of all their tokens (0.34-0.38 s) meets.
+A forward never grows past what one forward can compute within the target, so requests arriving
+during it keep most of theirs.
 
 A decode that admission resumes in the step (after a preemption or yielding its memory) joins
 a forward whose budget was set before it: it is paced from the next step on.
@@ -33,6 +39,7 @@ a forward whose budget was set before it: it is paced from the next step on.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from . import yielding
 from .costs import StepCosts
@@ -44,46 +51,62 @@ MIN_PREFILL = 16  # prompt tokens a paced step still holds (a block's worth)
 
 
 def step_budget(running: list[Request], waiting: list[Request], limits: Limits, costs: StepCosts,
-                now: float | None = None) -> int:
+                now: float | None = None, uncached: Callable[[Request], int] | None = None) -> int:
     """The tokens the next forward, starting `now` (monotonic; default: now), may hold:
     `Limits.max_batch_tokens`, less where the running requests with a first token cannot afford
-    the time; at least their decodes and `MIN_PREFILL` more, and the next prompt in line whole
-    where only that gives its first token in time. Unpaced (and nothing fitted) when no prompt
-    could join: nothing waits (`waiting`, in queue order) and every running request is decoding."""
-    budget, target = limits.max_batch_tokens, limits.per_token_target
+    the time (at least their decodes and `MIN_PREFILL` more), more where only one larger forward
+    gives the prompts in line their first tokens in time (`in_time`). `waiting`: in the order
+    admission takes them; `uncached(request)`: the tokens a waiting request would compute
+    (default: all of them). Unchanged (and nothing fitted) when no prompt could join: nothing
+    waits and every running request is decoding."""
+    budget = limits.max_batch_tokens
     now = time.monotonic() if now is None else now
-    if target is None or not (waiting or any(r.remaining > 1 for r in running)):
+    if not (waiting or any(r.remaining > 1 for r in running)):
         return budget
+    decodes = sum(1 for r in running if r.remaining == 1)
+    paced = paced_budget(running, decodes, limits, costs, now)
+    return max(paced, in_time(running, waiting, decodes, paced, limits, costs, now, uncached))
+
+
+def paced_budget(running: list[Request], decodes: int, limits: Limits, costs: StepCosts, now: float) -> int:
+    """`Limits.max_batch_tokens`, or with a per-token target the tokens the running requests with
+    a first token can afford (`MARGIN` of the tightest allowance, on the fitted line), at least
+    their `decodes` and `MIN_PREFILL` more."""
+    budget, target = limits.max_batch_tokens, limits.per_token_target
     # decoding requests with a first token; one recomputing its KV after a preemption caps nothing:
     # its next token comes after its whole recompute, which smaller forwards only delay
     started = [r for r in running if r.first_token is not None and r.remaining == 1]
-    if not started:
+    if target is None or not started:
         return budget
     # a step's allowance is each request's slack (see yielding) before the step, or one target since its last token
     allowance = min(max(target - (now - r.last_token), yielding.slack(r, target, 0.0, now)) for r in started)
     fits = costs.tokens_within(MARGIN * allowance)
-    decodes = sum(1 for r in running if r.remaining == 1)
     if fits is None:
         return budget
-    paced = min(budget, max(fits, decodes + MIN_PREFILL))
-    return max(paced, unsplit(running, waiting, decodes, paced, limits, costs, now))
+    return min(budget, max(fits, decodes + MIN_PREFILL))
 
 
-def unsplit(running: list[Request], waiting: list[Request], decodes: int, paced: int, limits: Limits,
-            costs: StepCosts, now: float) -> int:
-    """The tokens that finish the next prompt in line (the first request without a first token)
-    in this forward, if the paced budget would split it and only one forward gives its first
-    token within `Limits.ttft_target`; else 0."""
+def in_time(running: list[Request], waiting: list[Request], decodes: int, paced: int, limits: Limits,
+            costs: StepCosts, now: float, uncached: Callable[[Request], int] | None = None) -> int:
+    """The tokens of the forward that gives the prompts in line (requests without a first token:
+    the running ones, then `waiting` in admission's order) their first tokens within
+    `Limits.ttft_target` when `paced` tokens would split one of them into a second forward that
+    ends too late; at most `Limits.burst_batch_tokens` (or `max_batch_tokens`). 0 when no prompt
+    needs more than `paced`."""
     target = limits.ttft_target
-    if target is None:
+    if target is None or costs.tokens_within(0.0) is None:
         return 0
-    # running prompts continue before the queue's; a waiting prompt's cached prefix is not counted (a bound from above)
-    prompt = next((r for r in [*running, *waiting] if r.first_token is None and r.remaining > 1), None)
-    if prompt is None:
-        return 0
-    needed = decodes + prompt.remaining
-    if needed <= paced or needed > limits.max_batch_tokens:
-        return 0
-    in_time = costs.tokens_within(target - (now - prompt.arrived))  # one forward of at most this many: in time
     fixed = -costs.tokens_within(0.0)  # a forward's fixed cost, in tokens
-    return needed if needed <= in_time < needed + decodes + fixed else 0
+    ceiling = max(limits.max_batch_tokens, limits.burst_batch_tokens or 0)
+    needed, room, tight, grown = decodes, ceiling, float("inf"), 0
+    for prompt in (r for r in [*running, *waiting] if r.first_token is None and r.remaining > 1):
+        # a waiting prompt's cached prefix is inherited, not computed; a running one feeds what remains
+        needed += prompt.remaining if uncached is None or prompt in running else uncached(prompt)
+        left = target - (now - prompt.arrived)
+        room = min(room, costs.tokens_within(left))  # one forward this large ends in time for all so far
+        tight = min(tight, costs.tokens_within(MARGIN * left))  # the same, with room for the line's error
+        if needed > room:
+            break
+        if needed > paced and tight < needed + decodes + fixed:  # split: its rest in a second forward, late
+            grown = needed
+    return grown

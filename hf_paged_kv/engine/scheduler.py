@@ -49,6 +49,10 @@ class Limits:
     # s; set: forwards carrying decodes are paced (see pacing), and with ttft_target and a host tier
     # decodes yield (see yielding)
     per_token_target: float | None = None
+    # with ttft_target, a forward may hold up to this many tokens (more than max_batch_tokens) where
+    # only one forward that large gives the prompts in line their first tokens in time (see pacing);
+    # None: max_batch_tokens. The load controller sets twice max_batch_tokens, its budget's bound
+    burst_batch_tokens: int | None = None
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
@@ -62,7 +66,7 @@ class Limits:
     growth_clip: int | None = 4096
 
     def __post_init__(self):
-        for name in ("max_running", "max_batch_tokens", "max_waiting", "growth_clip"):
+        for name in ("max_running", "max_batch_tokens", "max_waiting", "growth_clip", "burst_batch_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("backfill_wait", "prefetch_depth", "growth_ratio_decay"):
