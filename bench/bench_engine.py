@@ -454,7 +454,8 @@ def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str 
     if given), the requests submitted in real time."""
     hf_paged_kv.disable(model)
     pool = KVPool(num_blocks=size["num_blocks"], block_size=size["block_size"], host_blocks=size.get("host_blocks"))
-    limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"])
+    limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"],
+                    burst_batch_tokens=size.get("burst_batch_tokens"))
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=slo, thresholds=thresholds)
     last = max(r.arrival for r in reqs)
     forwards = []  # (tokens fed, logits kept) of each of the engine's forwards

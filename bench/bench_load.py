@@ -151,6 +151,20 @@ def build_trace(tokenizer, size: dict, seed: int = 0) -> list[Req]:
     return reqs
 
 
+def size_pool(model, reqs: list[Req], size: dict, host_blocks: int | None = None) -> None:
+    """Set the pool's `num_blocks` (the static reservation of `pool_requests` average requests, and
+    room for the largest), its `per_block` bytes and the engines' `host_blocks` (default: as many
+    as the pool; 0: none) in `size`."""
+    bs = size["block_size"]
+    mean_static = statistics.mean(blocks_for(len(r.prompt) + r.max_new, bs) for r in reqs)
+    size["num_blocks"] = max(math.ceil(size["pool_requests"] * mean_static),
+                             max(blocks_for(len(r.prompt) + r.max_new, bs) for r in reqs) + 2)
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=size["num_blocks"], block_size=bs))
+    size["per_block"] = hf_paged_kv.pool_of(model).bytes_per_block
+    hf_paged_kv.disable(model)
+    size["host_blocks"] = size["num_blocks"] if host_blocks is None else (host_blocks or None)
+
+
 def at_peak(r: Req, duration: float) -> bool:
     """Whether `r` arrives in the middle third of the trace, around the tide's peak."""
     return duration / 3 <= r.arrival < 2 * duration / 3
@@ -511,13 +525,7 @@ def main() -> int:
     reqs = build_trace(tokenizer, size, args.seed)
     duration = size["minutes"] * 60
     bs = size["block_size"]
-    mean_static = statistics.mean(blocks_for(len(r.prompt) + r.max_new, bs) for r in reqs)
-    size["num_blocks"] = max(math.ceil(size["pool_requests"] * mean_static),
-                             max(blocks_for(len(r.prompt) + r.max_new, bs) for r in reqs) + 2)
-    hf_paged_kv.enable(model, pool=KVPool(num_blocks=size["num_blocks"], block_size=bs))
-    size["per_block"] = hf_paged_kv.pool_of(model).bytes_per_block
-    hf_paged_kv.disable(model)
-    size["host_blocks"] = size["num_blocks"] if args.host_blocks is None else (args.host_blocks or None)
+    size_pool(model, reqs, size, args.host_blocks)
     # transformers CB's swap pool is pinned memory: only with an accelerator
     size["cb_offload_gib"] = ((size["host_blocks"] or 0) * size["per_block"] / 2**30 if device.type == "cuda"
                               else 0.0)

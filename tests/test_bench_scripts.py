@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 DOCS = ROOT / "docs" / "benchmarks.md"
-SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table", "bench_block_size"]
+SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table", "bench_block_size",
+           "emulate_load"]
 NOT_WRITTEN = "(smoke run: docs/benchmarks.md not written)"
 
 
@@ -70,9 +71,10 @@ EXPECTED = {
                       "`paged_decode` split", "`paged_decode` merge", "`paged_prefill`", "`write_kv`", "<details>"],
     "bench_block_size": ["### Block size", "memory in partial blocks", "system prompt recomputed",
                          "the advisor's `block_overhead`", "Decision: a live pool keeps its block size"],
+    "emulate_load": ["### Emulated tidal load", "forwards paced to", "Not bench_load's figures", "| on |", "| off |"],
 }
 TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2,
-               "bench_block_size": 1}
+               "bench_block_size": 1, "emulate_load": 1}
 
 
 @pytest.mark.slow
@@ -113,6 +115,10 @@ def check_figures(script: str, out: str) -> None:
         assert re.search(r"\| time to first token \| [\d.]+ \| [\d.]+ \| [\d.]+x \| \d+ \|", out)
     elif script == "bench_tiers":
         assert out.count("| yes |") >= 10  # every system of every workload matches DynamicCache
+    elif script == "emulate_load":
+        rows = tables(out)[0][1:]
+        assert [row[0] for row in rows] == ["on", "off"]
+        assert all(re.fullmatch(r"\d+ / \d+ / \d+ of \d+", row[1]) for row in rows), rows  # every run listed
     elif script == "compile_table":
         summary = tables(out)[0]
         assert [row[0] for row in summary[1:]] == ["`paged_decode` split", "`paged_decode` merge", "`paged_prefill`",
