@@ -455,7 +455,8 @@ def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str 
     hf_paged_kv.disable(model)
     pool = KVPool(num_blocks=size["num_blocks"], block_size=size["block_size"], host_blocks=size.get("host_blocks"))
     limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"],
-                    burst_batch_tokens=size.get("burst_batch_tokens"))
+                    burst_batch_tokens=size.get("burst_batch_tokens"), ttft_target=size.get("ttft_target"),
+                    per_token_target=size.get("per_token_target"))
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=slo, thresholds=thresholds)
     last = max(r.arrival for r in reqs)
     forwards = []  # (tokens fed, logits kept) of each of the engine's forwards

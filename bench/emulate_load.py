@@ -19,7 +19,9 @@ long contexts, the machine's drift, a cold start), so its figures compare varian
 the machine; they are not bench_load's figures.
 
 Variants (each run in a process of its own, module constants set there before the engine starts):
-`on` / `off`: the engine with / without the controller; with the controller and one rule switched
+`on` / `off`: the engine with / without the controller; `rules-only`: without the controller but with
+the limits it sets from its SLO (`ttft_target`, `per_token_target`, `burst_batch_tokens`: every
+target-driven rule, none of the controller's moves); with the controller and one rule switched
 off: `no-burst` (no forward past `max_batch_tokens`: `Limits.burst_batch_tokens` equal to it),
 `no-triage` (`admission.LATE_YIELD = 0`: requests past their target do not yield),
 `no-partial-rule` (`admission.PARTIAL_DELAY` infinite: partial chunks never wait), `no-yielding`
@@ -45,7 +47,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_paged_kv.engine import SLO, Thresholds, admission, yielding
 
-VARIANTS = ("on", "off", "no-burst", "no-triage", "no-partial-rule", "no-yielding")
+VARIANTS = ("on", "off", "rules-only", "no-burst", "no-triage", "no-partial-rule", "no-yielding")
 
 
 def stand_in(vocab: int, fixed: float, per_token_: float) -> LlamaForCausalLM:
@@ -70,7 +72,7 @@ def stand_in(vocab: int, fixed: float, per_token_: float) -> LlamaForCausalLM:
 def run_variant(variant: str, reqs: list[Req], size: dict, slo: SLO, vocab: int, line: tuple[float, float]) -> dict:
     """One run of the trace on the stand-in, in this process (a worker's); what the report needs."""
     torch.set_num_threads(1)  # runs side by side: each forward is mostly sleep
-    controller = variant != "off"
+    controller = variant not in ("off", "rules-only")
     if variant == "no-triage":
         admission.LATE_YIELD = 0.0
     elif variant == "no-partial-rule":
@@ -78,6 +80,8 @@ def run_variant(variant: str, reqs: list[Req], size: dict, slo: SLO, vocab: int,
     elif variant == "no-yielding":
         yielding.MIN_SLACK = math.inf
     size = dict(size, burst_batch_tokens=size["batch_tokens"] if variant == "no-burst" else None)
+    if variant == "rules-only":  # the limits the controller sets from its SLO, and none of its moves
+        size.update(ttft_target=slo.ttft, per_token_target=slo.per_token, burst_batch_tokens=2 * size["batch_tokens"])
     model = stand_in(vocab, *line)
     thresholds = Thresholds(dwell=size["dwell"], tick=size["tick"])
     serve_engine(model, [Req(r.index, r.prompt, r.max_new) for r in reqs[:4]], [], size, "warm-up", controller, slo,
