@@ -132,7 +132,8 @@ def main() -> int:
     jobs = [v for _ in range(args.repeats) for v in args.variants]
     note(f"{len(jobs)} runs of {size['minutes'] * 60:.0f} s of trace, {args.parallel} at a time")
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(args.parallel, mp_context=context) as pool:
+    # a fresh process per run: a variant's module constants must not carry into the next run
+    with ProcessPoolExecutor(args.parallel, mp_context=context, max_tasks_per_child=1) as pool:
         futures = [pool.submit(run_variant, v, trace, size, slo, model.config.vocab_size, line) for v in jobs]
         results = [f.result() for f in futures]
     runs = {v: [r for job, r in zip(jobs, results) if job == v] for v in args.variants}
