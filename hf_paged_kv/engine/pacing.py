@@ -94,9 +94,10 @@ def in_time(running: list[Request], waiting: list[Request], decodes: int, paced:
     ends too late; at most `Limits.burst_batch_tokens` (or `max_batch_tokens`). 0 when no prompt
     needs more than `paced`."""
     target = limits.ttft_target
-    if target is None or costs.tokens_within(0.0) is None:
+    zero = None if target is None else costs.tokens_within(0.0)  # minus a forward's fixed cost, in tokens
+    if zero is None:
         return 0
-    fixed = -costs.tokens_within(0.0)  # a forward's fixed cost, in tokens
+    fixed = -zero
     ceiling = max(limits.max_batch_tokens, limits.burst_batch_tokens or 0)
     needed, room, tight, grown = decodes, ceiling, float("inf"), 0
     for prompt in (r for r in [*running, *waiting] if r.first_token is None and r.remaining > 1):
