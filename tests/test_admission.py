@@ -89,44 +89,6 @@ def test_a_request_whose_compute_would_take_it_past_the_target_yields_too():
     assert admitted(admit) == [short, long_, doomed]
 
 
-def test_with_a_target_a_long_prompt_due_first_is_not_made_late_by_shorter_ones():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    long = queue(admit, 300, now - 0.15)  # 0.3 s of compute, 0.35 s left: in time if it goes first
-    shorter = [queue(admit, 60, now, first=500 + 100 * i) for i in range(2)]  # 0.06 s each, 0.5 s left
-    assert admitted(admit) == [long, *shorter]  # shortest first would end it at 0.42 s
-
-
-def test_without_a_target_a_burst_stays_shortest_first():
-    admit, now = admission(seconds_per_token=0.001), time.monotonic()
-    long = queue(admit, 300, now - 0.15)
-    shorter = [queue(admit, 60, now, first=500 + 100 * i) for i in range(2)]
-    assert admitted(admit) == [*shorter, long]
-
-
-def test_a_long_prompt_that_would_make_more_prompts_late_than_itself_waits():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    long = queue(admit, 300, now - 0.15)
-    shorter = [queue(admit, 60, now, first=500 + 100 * i) for i in range(5)]  # it first: two of these late
-    assert admitted(admit) == [*shorter, long]
-
-
-def test_higher_priorities_count_as_work_ahead():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    urgent = queue(admit, 100, now, priority=1, first=2000)  # 0.1 s ahead of the rest
-    long = queue(admit, 300, now - 0.15)  # 0.1 + 0.3 s > its 0.35 s left: late whatever comes second
-    shorter = [queue(admit, 60, now, first=500 + 100 * i) for i in range(2)]
-    assert admitted(admit) == [urgent, *shorter, long]
-
-
-def test_a_running_prefills_rest_counts_as_work_ahead():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    running = queue(admit, 250, now, first=2000)
-    assert admitted(admit, budget=50) == [running]  # 200 tokens (0.2 s) left to prefill, in every forward first
-    long = queue(admit, 300, now - 0.15)  # 0.2 + 0.3 s > its 0.35 s left: late whatever comes second
-    shorter = [queue(admit, 60, now, first=500 + 100 * i) for i in range(2)]
-    assert admitted(admit) == [*shorter, long]
-
-
 def test_a_late_request_yields_for_a_bounded_time():
     admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
     late = queue(admit, 10, now - 1.0 - LATE_YIELD * 0.5)  # late for longer than it yields

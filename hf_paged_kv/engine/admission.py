@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from ..sequence import Sequence
-from . import deadlines, yielding
+from . import yielding
 from .costs import StepCosts
 from .prefix_probe import PrefixProbe
 from .preemption import Preemption
@@ -133,29 +133,19 @@ class Admission:
         With a time-to-first-token target (`Limits.ttft_target`), a request that can no longer
         meet it (its wait so far plus its compute passes the target) yields to the requests that
         still can, for `LATE_YIELD` targets: in a burst, serving one already late first only makes
-        the next ones late too. A preempted request has had its first token and never yields. Of
-        those that still can, the largest set that can all meet it goes first (`deadlines`): a
-        long prompt that arrived first is not made late by shorter ones where it need not be."""
+        the next ones late too. A preempted request has had its first token and never yields."""
         per_token = self.costs.seconds_per_token()
-        waiting = self.scheduler.waiting
-        if per_token == 0.0 or len(waiting) < 2:
-            return list(waiting)
+        if per_token == 0.0 or len(self.scheduler.waiting) < 2:
+            return list(self.scheduler.waiting)
         target, now = self.scheduler.limits.ttft_target, time.monotonic()
-        with self.pool.locked():  # the probes read the pool's index
-            uncached = {request: self.prefixes.uncached(request) for request in waiting}
-        late = set() if target is None else {
-            r for r in waiting if not r.generated and now + uncached[r] * per_token > r.arrived + target}
 
         def turn(request: Request) -> tuple[int, float]:
-            yields = LATE_YIELD * target if request in late else 0.0
-            return -request.effective_priority, request.arrived + uncached[request] * per_token + yields
+            compute = self.prefixes.uncached(request) * per_token
+            late = target is not None and not request.generated and now + compute > request.arrived + target
+            return -request.effective_priority, request.arrived + compute + (LATE_YIELD * target if late else 0.0)
 
-        order = sorted(waiting, key=turn)
-        line = self.costs.line()
-        if target is None or line is None:
-            return order
-        return deadlines.first_tokens_in_time(order, late, uncached, self.scheduler.running,
-                                              self.scheduler.limits.max_batch_tokens, line, target, now)
+        with self.pool.locked():  # the probes read the pool's index
+            return sorted(self.scheduler.waiting, key=turn)
 
     def _why_never_fits(self, request: Request, pinned: set[int]) -> str | None:
         """Why the request's tokens can never fit: more blocks than the pool holds besides the

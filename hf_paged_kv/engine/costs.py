@@ -45,12 +45,12 @@ class StepCosts:
             self.slope = min(max(slope, 0.0), self.seconds_per_token())
         return self.slope
 
-    def line(self) -> tuple[float, float] | None:
-        """`(fixed, per_token)`: a step of n tokens takes about `fixed + per_token x n` seconds, on
-        the line of slope `marginal_seconds_per_token` through the recent steps' mean (its intercept
-        is a step's fixed cost, never negative); with no slope fitted (alike steps, or a flat fit),
-        no fixed cost and the mean cost per token, which overestimates no step at least as large as
-        the mean. None before any step."""
+    def tokens_within(self, seconds: float) -> int | None:
+        """The most tokens one step can hold and still take at most `seconds`, on the line of
+        slope `marginal_seconds_per_token` through the recent steps' mean (its intercept is the
+        fixed cost of a step); with no slope fitted (alike steps, or a flat fit), the mean cost
+        per token, which overestimates no step at least as large as the mean. None before any
+        step. May be 0 or less: the fixed cost alone takes longer."""
         slope, steps = self.marginal_seconds_per_token(), self.steps()
         if not steps:
             return None
@@ -58,16 +58,7 @@ class StepCosts:
         slope = slope if slope > 0.0 else mean_seconds / mean_tokens  # the mean cost per token
         if slope <= 0.0:
             return None
-        return max(0.0, mean_seconds - slope * mean_tokens), slope
-
-    def tokens_within(self, seconds: float) -> int | None:
-        """The most tokens one step can hold and still take at most `seconds`, on `line` (None
-        before any step). May be 0 or less: the fixed cost alone takes longer."""
-        line = self.line()
-        if line is None:
-            return None
-        fixed, slope = line
-        return int((seconds - fixed) / slope)
+        return int((seconds - max(0.0, mean_seconds - slope * mean_tokens)) / slope)
 
     def step_seconds(self) -> float:
         """The mean duration of the recent steps (0.0 before any)."""

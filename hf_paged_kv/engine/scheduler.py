@@ -8,7 +8,7 @@ which decays while memory holds and is reset by a preemption (SGLang's rule), ea
 counted up to `Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool – and never in a
 step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
 first with aging, and, given a time-to-first-token target, those that can still meet it before
-those that cannot (of those, the largest set that can all meet it first: `deadlines`), and in a forward that already ends prompts no other prompt starts with a
+those that cannot, and in a forward that already ends prompts no other prompt starts with a
 partial chunk that would delay their first tokens by more than a tenth of the target (see
 `Admission`). A request whose prompt continues a prefix that a running
 prefill is about to compute waits for those blocks and inherits them instead of computing them
