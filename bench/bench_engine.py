@@ -96,6 +96,20 @@ def load(smoke: bool, device: str | torch.device = "cpu"):
     return model.to(device), tokenizer
 
 
+def load_pair(smoke: bool, device: str | torch.device = "cpu"):
+    """`(plain, model, tokenizer, pad_id, stop)`: the model twice (a never-enabled copy for the
+    systems other than the engine, and the engine's), the tokenizer, the pad id and the stop ids."""
+    plain, tokenizer = load(smoke, device)
+    model, _ = load(smoke, device)
+    return plain, model, tokenizer, pad_token(model, tokenizer), stop_ids(model, tokenizer)
+
+
+def pad_token(model, tokenizer) -> int:
+    """The generation config's pad id, else the tokenizer's."""
+    pad_id = model.generation_config.pad_token_id
+    return tokenizer.pad_token_id if pad_id is None else pad_id
+
+
 def smollm2_loader():
     """`load_smollm2` from wherever the project keeps it: `hf_paged_kv.real_model`, or
     `examples/real_model.py` or `examples/smollm2.py`; else common's own search (which says
@@ -708,11 +722,7 @@ def main() -> int:
 
     note(f"loading {model_name(args.smoke)} twice (the engine's copy and a never-enabled copy)")
     device = pick_device(args.device)
-    plain, tokenizer = load(args.smoke, device)
-    model, _ = load(args.smoke, device)
-    pad_id = model.generation_config.pad_token_id
-    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
-    stop = stop_ids(model, tokenizer)
+    plain, model, tokenizer, pad_id, stop = load_pair(args.smoke, device)
     base = workload(tokenizer, size)
     n, bs = len(base), size["block_size"]
     static_blocks = [blocks_for(len(r.prompt) + r.max_new, bs) for r in base]

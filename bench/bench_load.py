@@ -63,7 +63,7 @@ from bench_engine import (
     completed,
     device_name,
     fmt,
-    load,
+    load_pair,
     log_uniform,
     mib,
     model_alone,
@@ -74,7 +74,6 @@ from bench_engine import (
     serve_cb,
     serve_engine,
     serve_generate,
-    stop_ids,
 )
 from common import Checks, arguments, markdown_table, model_name, note, prompts_of_lengths
 from feasibility import forward_line, most_in_time, ttft_floors, uncached_tokens
@@ -517,11 +516,7 @@ def main() -> int:
 
     note(f"loading {model_name(args.smoke)} twice (the engine's copy and a never-enabled copy for transformers CB)")
     device = pick_device(args.device)
-    plain, tokenizer = load(args.smoke, device)
-    model, _ = load(args.smoke, device)
-    pad_id = model.generation_config.pad_token_id
-    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
-    stop = stop_ids(model, tokenizer)
+    plain, model, tokenizer, pad_id, stop = load_pair(args.smoke, device)
     reqs = build_trace(tokenizer, size, args.seed)
     duration = size["minutes"] * 60
     bs = size["block_size"]

@@ -40,7 +40,8 @@ from concurrent.futures import ProcessPoolExecutor
 import bench_load
 import numpy as np
 import torch
-from bench_engine import Req, completed, load, model_alone, per_token, poisson, serve_engine, serve_generate, stop_ids
+from bench_engine import (Req, completed, load, model_alone, pad_token, per_token, poisson, serve_engine, serve_generate,
+                          stop_ids)
 from common import Checks, arguments, markdown_table, model_name, note
 from feasibility import forward_line
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -112,8 +113,7 @@ def main() -> int:
     note(f"loading {model_name(args.smoke)}")
     model, tokenizer = load(args.smoke)
     stop = stop_ids(model, tokenizer)
-    pad_id = model.generation_config.pad_token_id
-    pad_id = tokenizer.pad_token_id if pad_id is None else pad_id
+    pad_id = pad_token(model, tokenizer)
     reqs = bench_load.build_trace(tokenizer, size, 0)
     bench_load.size_pool(model, reqs, size)
     calibration = None
