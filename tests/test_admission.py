@@ -181,6 +181,18 @@ def test_cached_tokens_do_not_count_as_work(owner):
     assert follow_up.inherited == 80
 
 
+def test_a_prompt_cached_whole_still_computes_the_block_of_its_last_token():
+    """Inheriting stops before the block holding the last token (its logits are needed): a
+    prompt that is exactly a cached prefix computes that block, and `uncached` says so."""
+    admit, now = admission(), time.monotonic()
+    cached = cache_prefix(admit)
+    admitted(admit)  # takes the weights' fingerprint, as the engine's first admitting step does
+    whole = queue(admit, 80, now)  # the 80 cached tokens, 20 blocks of 4
+    longer = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4), arrived=now)
+    assert (admit.uncached(whole), admit.uncached(longer)) == (4, 8)
+    assert admitted(admit) == [whole] and whole.inherited == 76
+
+
 def hold(admit: Admission, blocks: int) -> None:
     """Occupy `blocks` of the pool, as running sequences would."""
     admit.pool.allocate(blocks)

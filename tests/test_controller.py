@@ -440,9 +440,9 @@ def test_the_controller_gives_admission_its_targets_unless_they_are_set():
     assert uncontrolled.ttft_target is None and uncontrolled.per_token_target is None
     assert uncontrolled.burst_batch_tokens is None
     given = Engine(model, pool=pool, slo=SLO(ttft=0.8),
-                   limits=Limits(ttft_target=2.0, per_token_target=0.5, burst_batch_tokens=300))
+                   limits=Limits(ttft_target=2.0, per_token_target=0.5, burst_batch_tokens=700))
     assert (given.limits.ttft_target, given.limits.per_token_target) == (2.0, 0.5)
-    assert given.limits.burst_batch_tokens == 300
+    assert given.limits.burst_batch_tokens == 700
     shared = Limits()  # one Limits for two engines: the controlled one must not move the other's
     Engine(model, pool=pool, limits=shared)
     assert shared.ttft_target is None and shared.per_token_target is None
@@ -584,6 +584,26 @@ def test_a_value_set_from_outside_becomes_the_configured_one():
     calm_down(controller, signals, now)
     assert controller.state == "normal" and limits.watermark == 0.2 and limits.max_batch_tokens == 128
     hf_paged_kv.disable(model)
+
+
+def test_the_burst_ceiling_the_controller_sets_follows_a_budget_set_from_outside():
+    """Twice the budget's configured value: a user's new budget moves it (left at the old one, a
+    budget set above it would leave no burst, and one set far below a ceiling many times over)."""
+    model = make_model("llama", seed=1)
+    ceilings = []
+    for burst in (None, 700):
+        engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), thresholds=Thresholds(dwell=0.0, tick=0.0),
+                        limits=Limits(max_batch_tokens=512, burst_batch_tokens=burst))
+        ceilings.append(engine.limits.burst_batch_tokens)
+        with engine:
+            engine.limits.max_batch_tokens = 128
+            deadline = time.monotonic() + 5.0
+            while engine.limits.burst_batch_tokens == 1024 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.2)  # ticks enough for a ceiling the user set to have moved, were it moved
+        ceilings.append(engine.stats()["controller"]["burst_batch_tokens"])
+        hf_paged_kv.disable(model)
+    assert ceilings == [1024, 256, 700, 700]  # the user's own stays
 
 
 def test_two_engines_on_one_pool_do_not_tighten_each_others_pool_knobs():

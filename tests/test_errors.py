@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from conftest import assert_pool_clean, greedy, make_model, random_batch
@@ -134,8 +136,12 @@ def test_bad_pool_arguments(kwargs, message):
         (dict(backfill_wait=-1.0), r"Limits.backfill_wait must be >= 0"),
         (dict(watermark=1.5), r"Limits.watermark is a fraction in \[0, 1\]"),
         (dict(growth_ratio_min=-0.1), r"Limits.growth_ratio_min is a fraction"),
-        (dict(ttft_target=0.0), r"Limits.ttft_target must be > 0 seconds"),
-        (dict(per_token_target=-1.0), r"Limits.per_token_target must be > 0 seconds"),
+        (dict(ttft_target=0.0), r"Limits.ttft_target must be a finite number of seconds > 0"),
+        (dict(ttft_target=math.inf), r"Limits.ttft_target must be a finite number of seconds > 0"),
+        (dict(ttft_target=math.nan), r"Limits.ttft_target must be a finite number of seconds > 0"),
+        (dict(per_token_target=-1.0), r"Limits.per_token_target must be a finite number of seconds > 0"),
+        (dict(per_token_target=math.inf), r"Limits.per_token_target must be a finite number of seconds > 0"),
+        (dict(max_batch_tokens=256, burst_batch_tokens=200), r"burst_batch_tokens .* at least max_batch_tokens \(256\)"),
     ],
 )
 def test_bad_engine_limits(kwargs, message):
@@ -143,9 +149,9 @@ def test_bad_engine_limits(kwargs, message):
         Limits(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [dict(ttft=0.0), dict(per_token=-1.0)])
+@pytest.mark.parametrize("kwargs", [dict(ttft=0.0), dict(per_token=-1.0), dict(ttft=math.inf), dict(per_token=math.nan)])
 def test_bad_service_level_targets(kwargs):
-    with pytest.raises(ValueError, match="SLO targets must be > 0 seconds"):
+    with pytest.raises(ValueError, match="SLO targets must be finite numbers of seconds > 0"):
         SLO(**kwargs)
 
 

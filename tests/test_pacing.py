@@ -13,7 +13,7 @@ from test_engine import NEW, alone, prompts
 from test_yielding import decoding
 
 from hf_paged_kv import Engine, KVPool
-from hf_paged_kv.engine.costs import StepCosts
+from hf_paged_kv.engine.costs import MOST_TOKENS, StepCosts
 from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, step_budget
 from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Limits
@@ -159,14 +159,23 @@ def test_the_next_prompt_in_line_is_a_running_prefill_before_the_queue():
     assert step_budget([fresh, prefilling], [queued(290, now)], limits, costs, now) == 1 + 280
 
 
-def test_a_preempted_request_waiting_has_had_its_first_token_and_is_not_the_next_prompt():
+def test_a_preempted_request_waiting_is_work_ahead_of_the_prompts_and_no_prompt_itself():
+    """Admission feeds a preempted request's recompute before the prompts behind it: the forward
+    grows only where the prompt still gets its first token in time behind it."""
     now, costs = time.monotonic(), costs_of(0.05, 0.001)
     limits = Limits(max_batch_tokens=512, per_token_target=TARGET, ttft_target=0.38)
     fresh = started(1, since=0.0, last=0.0, now=now)
-    preempted = queued(300, now)
-    preempted.first_token = now - 1.0
-    assert step_budget([fresh], [preempted, queued(280, now)], limits, costs, now) == 1 + 280
-    assert step_budget([fresh], [preempted], limits, costs, now) == costs.tokens_within(MARGIN * TARGET)
+    paced = costs.tokens_within(MARGIN * TARGET)
+
+    def preempted(tokens: int) -> Request:
+        request = queued(tokens, now)
+        request.first_token = now - 1.0
+        return request
+
+    assert step_budget([fresh], [preempted(100), queued(150, now)], limits, costs, now) == 1 + 100 + 150
+    # 300 + 280 tokens: one forward of both ends past the prompt's target, so the line stops
+    assert step_budget([fresh], [preempted(300), queued(280, now)], limits, costs, now) == paced
+    assert step_budget([fresh], [preempted(300)], limits, costs, now) == paced
 
 
 BURST = Limits(max_batch_tokens=256, burst_batch_tokens=512, ttft_target=0.45)  # one forward of 400 tokens: in time
@@ -191,6 +200,23 @@ def test_the_forward_grows_to_the_last_prompt_a_split_would_make_late_and_never_
     assert step_budget([], [queued(150, now), queued(150, now), queued(200, now)], BURST, costs, now) == 300
     # a prompt already too late for one forward stops the line: those behind it are not weighed
     assert step_budget([], [queued(150, now - 0.3), queued(150, now)], BURST, costs, now) == 256
+
+
+def test_a_prompt_is_weighed_by_its_own_split_not_by_the_tightest_prompt_before_it():
+    """A (40 tokens, 0.15 s waited) is whole in the first forward either way; B (200 tokens)
+    split 128 + 72 gets its first token at 0.35 s, within 85 % of its 0.45 s target: no growth,
+    which would end A's forward at 0.44 s after its arrival."""
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    limits = Limits(max_batch_tokens=128, burst_batch_tokens=512, ttft_target=0.45)
+    assert step_budget([], [queued(40, now - 0.15), queued(200, now)], limits, costs, now) == 128
+
+
+def test_a_target_of_any_finite_size_sizes_a_forward_without_overflowing():
+    now, costs = time.monotonic(), costs_of(0.05, 0.001)
+    assert costs.tokens_within(1e306) == MOST_TOKENS
+    limits = Limits(max_batch_tokens=256, burst_batch_tokens=512, ttft_target=1e300, per_token_target=1e300)
+    fresh = started(1, since=0.0, last=0.0, now=now)
+    assert step_budget([fresh], [queued(150, now), queued(150, now)], limits, costs, now) == 256
 
 
 def test_a_waiting_prompt_counts_only_the_tokens_it_would_compute():

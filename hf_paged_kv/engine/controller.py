@@ -41,7 +41,7 @@ against it yield their memory to first tokens (`yielding`); those preemptions ar
 memory running out, and do not count as pressure. And forwards that carry decodes hold only the
 prompt tokens those decodes can afford against the target, unless only one whole forward gives
 the prompts in line their first tokens in time; there a forward may also pass the batch budget,
-up to `Limits.burst_batch_tokens`, which it sets to twice the budget (`pacing`).
+up to `Limits.burst_batch_tokens`, which it sets to twice the budget's configured value (`pacing`).
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """
@@ -67,8 +67,9 @@ class SLO:
     per_token: float = 0.5
 
     def __post_init__(self):
-        if self.ttft <= 0 or self.per_token <= 0:
-            raise ValueError(f"SLO targets must be > 0 seconds, got ttft={self.ttft}, per_token={self.per_token}")
+        if not (0 < self.ttft < math.inf and 0 < self.per_token < math.inf):
+            raise ValueError(f"SLO targets must be finite numbers of seconds > 0, got ttft={self.ttft}, "
+                             f"per_token={self.per_token}")
 
 
 @dataclass

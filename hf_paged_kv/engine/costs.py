@@ -9,6 +9,8 @@ from collections import deque
 
 import numpy as np
 
+MOST_TOKENS = 2**40  # more than any step holds: `tokens_within`'s answer for longer times
+
 
 class StepCosts:
     def __init__(self, window: int = 32, spread: int = 16):
@@ -50,7 +52,8 @@ class StepCosts:
         slope `marginal_seconds_per_token` through the recent steps' mean (its intercept is the
         fixed cost of a step); with no slope fitted (alike steps, or a flat fit), the mean cost
         per token, which overestimates no step at least as large as the mean. None before any
-        step. May be 0 or less: the fixed cost alone takes longer."""
+        step. May be 0 or less: the fixed cost alone takes longer; at most `MOST_TOKENS` (a huge
+        target does not overflow)."""
         slope, steps = self.marginal_seconds_per_token(), self.steps()
         if not steps:
             return None
@@ -58,7 +61,8 @@ class StepCosts:
         slope = slope if slope > 0.0 else mean_seconds / mean_tokens  # the mean cost per token
         if slope <= 0.0:
             return None
-        return int((seconds - max(0.0, mean_seconds - slope * mean_tokens)) / slope)
+        within = seconds - max(0.0, mean_seconds - slope * mean_tokens)
+        return MOST_TOKENS if within >= MOST_TOKENS * slope else int(within / slope)
 
     def step_seconds(self) -> float:
         """The mean duration of the recent steps (0.0 before any)."""

@@ -30,13 +30,16 @@ class LoadControl:
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         self.lookups_seen = dict.fromkeys(("lookup_tokens", "device", "host", "disk"), 0)
         self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
+        self.sets_burst = False  # whether `Limits.burst_batch_tokens` is the controller's to set
         if self.controller is not None:
             if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
                 engine.limits.ttft_target = slo.ttft
             if engine.limits.per_token_target is None:  # forwards are paced (pacing), decodes yield (yielding)
                 engine.limits.per_token_target = slo.per_token
-            if engine.limits.burst_batch_tokens is None:  # a forward may grow to give first tokens in time (pacing)
-                engine.limits.burst_batch_tokens = 2 * engine.limits.max_batch_tokens
+            # a forward may grow to give first tokens in time (pacing), up to the budget knob's bound:
+            # twice its configured value, followed when a user changes that value
+            self.sets_burst = engine.limits.burst_batch_tokens is None
+            self._follow_budget()
             for name, value in self.controller.settings().items():
                 engine.metrics.controller_actions.labels(name)  # a series from the start, at 0: rate() works
                 if name != "state":
@@ -164,9 +167,15 @@ class LoadControl:
         priorities = [request.effective_priority for request in engine.scheduler.waiting if not request.generated]
         if self.controller is None or not self.controller.tick(self.signals, now, priorities):
             return
+        self._follow_budget()
         for request in list(engine.scheduler.waiting):
             if request.effective_priority < self.controller.shed_below and self._late(request, now):
                 engine.outcomes.turn_away(request)
+
+    def _follow_budget(self) -> None:
+        """The burst ceiling the controller set, at the budget knob's bound as it is now."""
+        if self.sets_burst:
+            self.engine.limits.burst_batch_tokens = int(self.controller.knobs["max_batch_tokens"].high)
 
     def _hit_rates(self, stats: dict) -> dict[str, float]:
         """Per tier, the share of the prompt tokens looked up since the last tick that it served

@@ -15,13 +15,14 @@ Sarathi-Serve caps every mixed forward at a fixed token budget; this one follows
 slack. Prompts still advance by at least `MIN_PREFILL` tokens a step, so that a target the
 decodes alone use up does not stop every prefill and admission until they finish.
 
-With a time-to-first-token target too (`Limits.ttft_target`), the forward may take more than
-pacing, or `Limits.max_batch_tokens`, allows, up to `Limits.burst_batch_tokens`, where only that
-gives the prompts in line their first tokens in time (`in_time`): prompts are taken in the order
-admission takes them (running prefills first), each whole, while one forward of all of them
-still ends within every one's target; the forward grows to the last prompt that a split – its
-rest in a second forward, with that forward's fixed cost and the decodes fed again – would make
-late. The decodes may then miss their pace by one forward, where the prompt would certainly miss
+Given a time-to-first-token target (`Limits.ttft_target`, with or without a per-token one), the
+forward may take more than pacing, or `Limits.max_batch_tokens`, allows, up to
+`Limits.burst_batch_tokens`, where only that gives the prompts in line their first tokens in
+time (`in_time`): prompts are taken in the order admission takes them (running prefills first;
+a request recomputing after a preemption counts as work ahead of those behind it), each whole,
+while one forward of all of them still ends within every one's target; the forward grows to the
+last prompt that its own split – its rest in a second forward, with that forward's fixed cost
+and the decodes fed again – would make late. The decodes may then miss their pace by one forward, where the prompt would certainly miss
 its target: a decode's mean still meets its target whenever it generates a few more tokens, which
 most do; the prompt had no second chance. On bench_load's trace at its calibrated targets (TTFT
 0.36 s, per-token 0.24 s), pacing that split every prompt arriving beside a fresh decode left 21
@@ -89,7 +90,8 @@ def paced_budget(running: list[Request], decodes: int, limits: Limits, costs: St
 def in_time(running: list[Request], waiting: list[Request], decodes: int, paced: int, limits: Limits,
             costs: StepCosts, now: float, uncached: Callable[[Request], int] | None = None) -> int:
     """The tokens of the forward that gives the prompts in line (requests without a first token:
-    the running ones, then `waiting` in admission's order) their first tokens within
+    the running ones, then `waiting` in admission's order; a request recomputing after a
+    preemption is work ahead of those behind it) their first tokens within
     `Limits.ttft_target` when `paced` tokens would split one of them into a second forward that
     ends too late; at most `Limits.burst_batch_tokens` (or `max_batch_tokens`). 0 when no prompt
     needs more than `paced`."""
@@ -99,15 +101,18 @@ def in_time(running: list[Request], waiting: list[Request], decodes: int, paced:
         return 0
     fixed = -zero
     ceiling = max(limits.max_batch_tokens, limits.burst_batch_tokens or 0)
-    needed, room, tight, grown = decodes, ceiling, float("inf"), 0
-    for prompt in (r for r in [*running, *waiting] if r.first_token is None and r.remaining > 1):
-        # a waiting prompt's cached prefix is inherited, not computed; a running one feeds what remains
-        needed += prompt.remaining if uncached is None or prompt in running else uncached(prompt)
-        left = target - (now - prompt.arrived)
+    needed, room, grown = decodes, ceiling, 0
+    for request in (r for r in [*running, *waiting] if r.remaining > 1):
+        # a waiting request's cached prefix is inherited, not computed; a running one feeds what remains
+        needed += request.remaining if uncached is None or request in running else uncached(request)
+        if request.first_token is not None:  # recomputing after a preemption: work ahead, no first token to give
+            continue
+        left = target - (now - request.arrived)
         room = min(room, costs.tokens_within(left))  # one forward this large ends in time for all so far
-        tight = min(tight, costs.tokens_within(MARGIN * left))  # the same, with room for the line's error
         if needed > room:
             break
-        if needed > paced and tight < needed + decodes + fixed:  # split: its rest in a second forward, late
+        # split: its rest in a second forward, with that forward's fixed cost and the decodes fed
+        # again, ends past its target (with room for the line's error); those before it are whole
+        if needed > paced and costs.tokens_within(MARGIN * left) < needed + decodes + fixed:
             grown = needed
     return grown

@@ -24,9 +24,12 @@ class PrefixProbe:
         self.digests = {r.id: self.digests[r.id] for r in requests if r.id in self.digests}
 
     def uncached(self, request: Request) -> int:
-        """Tokens of the request not in cached blocks of the device pool, its own or published."""
+        """Tokens of the request that its prefill computes now: those past the cached blocks of the
+        device pool (its own or published) that inheriting takes, which stop before the block
+        holding its last token (that one is computed even when cached: it gives the logits)."""
         tokens = request.tokens()
-        cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None, self.pairs(request))
+        cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None,
+                                       self.chain_pairs(request))
         return len(tokens) - cached["device"]
 
     def stored(self, request: Request) -> tuple[list[int], int]:

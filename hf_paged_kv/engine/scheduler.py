@@ -23,6 +23,7 @@ by one (so a request cannot be preempted forever).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..errors import PoolExhaustedError
@@ -49,9 +50,10 @@ class Limits:
     # s; set: forwards carrying decodes are paced (see pacing), and with ttft_target and a host tier
     # decodes yield (see yielding)
     per_token_target: float | None = None
-    # with ttft_target, a forward may hold up to this many tokens (more than max_batch_tokens) where
+    # with ttft_target, a forward may hold up to this many tokens (at least max_batch_tokens) where
     # only one forward that large gives the prompts in line their first tokens in time (see pacing);
-    # None: max_batch_tokens. The load controller sets twice max_batch_tokens, its budget's bound
+    # None: max_batch_tokens. The load controller sets twice the budget's configured value, its
+    # budget knob's bound, and follows that value when a user changes it
     burst_batch_tokens: int | None = None
     prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
     prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
@@ -75,11 +77,16 @@ class Limits:
         for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
-        if self.ttft_target is not None and self.ttft_target <= 0:
-            raise ValueError(f"Limits.ttft_target must be > 0 seconds (or None: no triage), got {self.ttft_target}")
-        if self.per_token_target is not None and self.per_token_target <= 0:
-            raise ValueError(f"Limits.per_token_target must be > 0 seconds (or None: no pacing, no yielding), "
-                             f"got {self.per_token_target}")
+        if self.ttft_target is not None and not 0 < self.ttft_target < math.inf:
+            raise ValueError(f"Limits.ttft_target must be a finite number of seconds > 0 (or None: no triage), "
+                             f"got {self.ttft_target}")
+        if self.per_token_target is not None and not 0 < self.per_token_target < math.inf:
+            raise ValueError(f"Limits.per_token_target must be a finite number of seconds > 0 (or None: no pacing, "
+                             f"no yielding), got {self.per_token_target}")
+        if self.burst_batch_tokens is not None and self.burst_batch_tokens < self.max_batch_tokens:
+            raise ValueError(f"Limits.burst_batch_tokens is the most a forward may hold past max_batch_tokens: "
+                             f"at least max_batch_tokens ({self.max_batch_tokens}), got {self.burst_batch_tokens} "
+                             f"(None: no forward past max_batch_tokens)")
 
 
 class Scheduler:
