@@ -18,20 +18,20 @@ decodes alone use up does not stop every prefill and admission until they finish
 Given a time-to-first-token target (`Limits.ttft_target`, with or without a per-token one), the
 forward may take more than pacing, or `Limits.max_batch_tokens`, allows, up to
 `Limits.burst_batch_tokens`, where only that gives the prompts in line their first tokens in
-time (`in_time`): prompts are taken in the order admission takes them (running prefills first;
-a request recomputing after a preemption counts as work ahead of those behind it), each whole,
+time (`in_time`): prompts are taken in the order admission takes them (running prefills first; a
+request recomputing after a preemption counts as work ahead of those behind it), each whole,
 while one forward of all of them still ends within every one's target; the forward grows to the
 last prompt that its own split – its rest in a second forward, with that forward's fixed cost
-and the decodes fed again – would make late. The decodes may then miss their pace by one forward, where the prompt would certainly miss
-its target: a decode's mean still meets its target whenever it generates a few more tokens, which
-most do; the prompt had no second chance. On bench_load's trace at its calibrated targets (TTFT
-0.36 s, per-token 0.24 s), pacing that split every prompt arriving beside a fresh decode left 21
-of 99 first tokens late with the controller, 9 with its pacing switched off, 12 without the
-controller; keeping the next prompt in line whole, 11 (single runs, one after another). Two
-prompts arriving together (98 and 228 tokens, 181 and 110) missed a 0.41 s target by a few
-hundredths behind a 256-token budget, which one forward of all their tokens (0.34-0.38 s) meets.
-A forward never grows past what one forward can compute within the target, so requests arriving
-during it keep most of theirs.
+and the decodes fed again – would make late. The decodes may then miss their pace by one
+forward, where the prompt would certainly miss its target: a decode's mean still meets its
+target whenever it generates a few more tokens, which most do; the prompt had no second chance.
+On bench_load's trace at its calibrated targets (TTFT 0.36 s, per-token 0.24 s), pacing that
+split every prompt arriving beside a fresh decode left 21 of 99 first tokens late with the
+controller, 9 with its pacing switched off, 12 without the controller; keeping the next prompt
+in line whole, 11 (single runs, one after another). Two prompts arriving together (98 and 228
+tokens, 181 and 110) missed a 0.41 s target by a few hundredths behind a 256-token budget, which
+one forward of all their tokens (0.34-0.38 s) meets. A forward never grows past what one forward
+can compute within the target, so requests arriving during it keep most of theirs.
 
 A decode that admission resumes in the step (after a preemption or yielding its memory) joins
 a forward whose budget was set before it: it is paced from the next step on.
