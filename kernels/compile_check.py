@@ -31,7 +31,7 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction, native_specialize_impl
 
 from .paged_decode import decode_launches
-from .paged_prefill import prefill_launch
+from .paged_prefill import prefill_launch, prefill_tiles
 from .triton_utils import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, Launch
 from .write_kv import write_kv_launch
 
@@ -61,8 +61,9 @@ def variants(quick: bool) -> list[Variant]:
     return chosen
 
 
-def launches(variant: Variant, kv_heads: int = 2, batch: int = 3, new_tokens: int = 40) -> list[Launch]:
-    """The launches of one decode step, one prefill and one KV write, on meta tensors."""
+def launches(variant: Variant, arch: int, kv_heads: int = 2, batch: int = 3, new_tokens: int = 40) -> list[Launch]:
+    """The launches of one decode step, one prefill and one KV write on a GPU of compute
+    capability `arch` (x10), on meta tensors."""
     heads, dim = kv_heads * variant.group, variant.head_dim
 
     def empty(*shape, dtype=variant.dtype):
@@ -76,7 +77,8 @@ def launches(variant: Variant, kv_heads: int = 2, batch: int = 3, new_tokens: in
         *decode_launches(decode_query, cache, cache, tables, kv_lens, empty(batch, dtype=torch.int64),
                          0.125, None, variant.num_splits, torch.empty_like(decode_query)),
         prefill_launch(prefill_query, cache, cache, tables, kv_lens, empty(batch, new_tokens, dtype=torch.int64),
-                       0.125, 4096, torch.empty_like(prefill_query)),
+                       0.125, 4096, torch.empty_like(prefill_query),
+                       tiles=prefill_tiles(variant.dtype, dim, arch)),
         write_kv_launch(cache, cache, new_kv, new_kv, empty(batch, new_tokens, dtype=torch.int64)),
     ]
 
@@ -100,6 +102,11 @@ def specialize(launch: Launch) -> ASTSource:
     return ASTSource(kernel, signature, constexprs=constants, attrs=attrs)
 
 
+def launch_options(launch: Launch) -> dict:
+    """The compile options the launch passes at run time."""
+    return dict(num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
 def ptxas_report(ptx: str) -> tuple[int, int]:
     """(registers per thread, spilled bytes) from the ptxas bundled with Triton."""
     arch = re.search(r"^\.target\s+(\w+)", ptx, re.MULTILINE).group(1)
@@ -120,12 +127,13 @@ def check(arch: int, quick: bool) -> list[dict]:
     target = GPUTarget("cuda", arch, 32)
     rows, seen = [], set()
     for variant in variants(quick):
-        for launch in launches(variant):
+        for launch in launches(variant, arch):
             source = specialize(launch)
-            if source.hash() in seen:
+            key = (source.hash(), launch.num_warps, launch.num_stages)
+            if key in seen:
                 continue
-            seen.add(source.hash())
-            compiled = triton.compile(source, target=target)
+            seen.add(key)
+            compiled = triton.compile(source, target=target, options=launch_options(launch))
             registers, spills = ptxas_report(compiled.asm["ptx"])
             rows.append(dict(
                 kernel=launch.kernel.__name__.strip("_"), dtype=DTYPE_NAMES[variant.dtype], head_dim=variant.head_dim,

@@ -4,7 +4,8 @@ Grid `(batch, kv_heads, splits)`. Each program takes one KV head with all the qu
 share it (GQA: a `[GROUP_PAD, head_dim]` query tile, so each key is read once per group), walks
 its share of the row's keys in tiles of `TILE` tokens gathered through the block table, and
 keeps an online softmax. A second kernel merges the splits with their log-sum-exp, so a few
-long rows still spread over the whole GPU. Keys past `kv_lens`, after the query position,
+long rows still spread over the whole GPU; with one split the first kernel writes the output
+itself (one launch, not two: short contexts are bound by the host's launch time). Keys past `kv_lens`, after the query position,
 outside the sliding window, or behind a `-1` block-table entry are never read.
 """
 
@@ -24,10 +25,11 @@ TILE = 64  # keys per step for 16-bit caches (keys_per_tile halves it for fp32)
 
 @triton.jit
 def _decode_split_kernel(
-    query, key_cache, value_cache, block_tables, kv_lens, q_pos, partial_out, partial_lse,
+    query, key_cache, value_cache, block_tables, kv_lens, q_pos, partial_out, partial_lse, out,
     scale, window, max_blocks,
     s_qb, s_qh, s_qd,
     s_cb, s_cs, s_ch, s_cd,
+    s_ob, s_oh, s_od,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, TILE: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, IS_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -66,12 +68,16 @@ def _decode_split_kernel(
         m_i, l_i, acc = online_softmax_step(q, k, v, valid[None, :], scale, m_i, l_i, acc, IS_FP32, SOFTCAP)
 
     found = l_i > 0
-    out = acc / tl.where(found, l_i, 1.0)[:, None]
-    lse = tl.where(found, m_i + tl.log(tl.where(found, l_i, 1.0)), float("-inf"))
-    num_heads = tl.num_programs(1) * GROUP
-    base = (row * num_heads + heads) * NUM_SPLITS + split
-    tl.store(partial_lse + base, lse, mask=head_ok)
-    tl.store(partial_out + base[:, None] * HEAD_DIM_PAD + dims[None, :], out, mask=head_ok[:, None])
+    result = acc / tl.where(found, l_i, 1.0)[:, None]
+    if NUM_SPLITS == 1:  # the whole row: no merge
+        tl.store(out + row * s_ob + heads[:, None] * s_oh + dims[None, :] * s_od, result.to(out.dtype.element_ty),
+                 mask=head_ok[:, None] & dim_ok[None, :])
+    else:
+        lse = tl.where(found, m_i + tl.log(tl.where(found, l_i, 1.0)), float("-inf"))
+        num_heads = tl.num_programs(1) * GROUP
+        base = (row * num_heads + heads) * NUM_SPLITS + split
+        tl.store(partial_lse + base, lse, mask=head_ok)
+        tl.store(partial_out + base[:, None] * HEAD_DIM_PAD + dims[None, :], result, mask=head_ok[:, None])
 
 
 @triton.jit
@@ -129,7 +135,8 @@ def paged_decode(
 def decode_launches(
     query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, num_splits, out, softcap=None
 ) -> list[Launch]:
-    """The split kernel and the merge kernel of one `paged_decode` call, arguments checked."""
+    """The split kernel and (with more than one split) the merge kernel of one `paged_decode`
+    call, arguments checked."""
     check_inputs(query, key_cache)
     batch, heads, head_dim = query.shape
     kv_heads = key_cache.shape[2]
@@ -141,15 +148,18 @@ def decode_launches(
     if num_splits is None:
         max_kv_len = int(kv_lens.max()) if batch else 0
         num_splits = choose_splits(batch, kv_heads, max_kv_len, query.device)
-    partial_out = torch.empty((batch, heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
-    partial_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
+    if num_splits == 1:  # the kernel writes `out`; the partial buffers are never touched
+        partial_out = partial_lse = out
+    else:
+        partial_out = torch.empty((batch, heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
     tables = block_tables.contiguous()
     split = Launch(
         _decode_split_kernel, (batch, kv_heads, num_splits),
         (
             query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
-            partial_out, partial_lse, scale, window or 0, tables.shape[1],
-            *query.stride(), *key_cache.stride(),
+            partial_out, partial_lse, out, scale, window or 0, tables.shape[1],
+            *query.stride(), *key_cache.stride(), *out.stride(),
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
@@ -157,6 +167,8 @@ def decode_launches(
             SOFTCAP=float(softcap or 0.0), **dtype_flags(query.dtype),
         ),
     )
+    if num_splits == 1:
+        return [split]
     merge = Launch(
         _merge_splits_kernel, (batch, heads),
         (partial_out, partial_lse, out, *out.stride()),

@@ -10,17 +10,41 @@ an online softmax in fp32.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import (
-    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, keys_per_tile, padded_head_dim,
+    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, gpu_arch, keys_per_tile, padded_head_dim,
 )
 
-BLOCK_M = 32
-TILE = 32  # keys per step for 16-bit caches (keys_per_tile halves it for fp32)
+BLOCK_M = 32  # queries per program off the GPU's 16-bit path (the interpreter, fp32)
+TILE = 32  # keys per step there for 16-bit caches (keys_per_tile halves it for fp32)
+
+
+@dataclass(frozen=True)
+class PrefillTiles:
+    """How a prefill launch cuts its work: `block_m` queries per program, `tile` keys per step,
+    and the GPU's warps per program and software-pipeline stages (the interpreter ignores both)."""
+
+    block_m: int
+    tile: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def prefill_tiles(dtype: torch.dtype, head_dim: int, arch: int | None) -> PrefillTiles:
+    """The tiles `paged_prefill` uses on a GPU of compute capability `arch` (x10; None off the
+    GPU). There 16-bit caches take large tiles, the kernel being compute-bound: 128 queries per
+    program and 8 warps; 64 keys per step from Hopper on (sm_90), 32 before it, where 64 spill
+    registers at head dim 128 (`compile_check --arch 80`; not timed on an A100). fp32, kept
+    exact for equality tests, and the interpreter keep small tiles."""
+    if arch is None or dtype == torch.float32:
+        return PrefillTiles(BLOCK_M, keys_per_tile(TILE, dtype))
+    return PrefillTiles(128, 64 if arch >= 90 else 32, num_warps=8, num_stages=3)
 
 
 @triton.jit
@@ -36,7 +60,9 @@ def _prefill_kernel(
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)  # int64: head x stride and query x stride pass 2^31 on long prompts
     kv_head = head // GROUP
-    queries = tl.program_id(2).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    # the last query tiles see the most keys: they start first, so the short ones fill the tail
+    query_tile = tl.num_programs(2) - 1 - tl.program_id(2)
+    queries = query_tile.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     query_ok = queries < num_new
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_ok = dims < HEAD_DIM
@@ -74,30 +100,32 @@ def _prefill_kernel(
 
 
 def paged_prefill(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window=None, out=None,
-                  softcap=None):
+                  softcap=None, tiles: PrefillTiles | None = None):
     """Prefill attention. `query` `[B, heads, T, head_dim]`, `q_pos` `[B, T]`; returns the query's shape.
 
     Semantics are those of `reference.paged_attention`; a query without any visible key gets zeros.
-    `out` may be given (tests pass a poisoned buffer).
+    `out` may be given (tests pass a poisoned buffer); `tiles` overrides `prefill_tiles` (the GPU
+    check times alternatives with it).
     """
     check_device(query)
     out = torch.empty_like(query) if out is None else out
-    prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out, softcap).run()
+    prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out, softcap,
+                   tiles).run()
     return out
 
 
 def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, scale, window, out,
-                   softcap=None) -> Launch:
+                   softcap=None, tiles: PrefillTiles | None = None) -> Launch:
     """The kernel launch of one `paged_prefill` call, arguments checked."""
     check_inputs(query, key_cache)
     batch, heads, new, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     dim_pad = padded_head_dim(head_dim)
-    tile = keys_per_tile(TILE, query.dtype)
-    check_dot_shape(BLOCK_M, tile, dim_pad)
+    tiles = tiles or prefill_tiles(query.dtype, head_dim, gpu_arch(query.device))
+    check_dot_shape(tiles.block_m, tiles.tile, dim_pad)
     tables = block_tables.contiguous()
     return Launch(
-        _prefill_kernel, (batch, heads, triton.cdiv(new, BLOCK_M)),
+        _prefill_kernel, (batch, heads, triton.cdiv(new, tiles.block_m)),
         (
             query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(), out,
             scale, window or 0, new, tables.shape[1],
@@ -105,7 +133,8 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
         ),
         dict(
             BLOCK_SIZE=key_cache.shape[1], GROUP=heads // kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-            BLOCK_M=BLOCK_M, TILE=tile, SOFTCAP=float(softcap or 0.0),
+            BLOCK_M=tiles.block_m, TILE=tiles.tile, SOFTCAP=float(softcap or 0.0),
             **dtype_flags(query.dtype),
         ),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -23,6 +23,14 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 MIN_DOT_DIM = 16  # smallest M, N and K the GPU compiler accepts for tl.dot
 
 
+def gpu_arch(device: torch.device) -> int | None:
+    """Compute capability x10 of a CUDA device (90 for H100/H200), None for any other device."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -36,12 +44,14 @@ class Launch:
     grid: tuple[int, ...]
     args: tuple
     constexprs: dict
+    num_warps: int = 4  # Triton's defaults on NVIDIA GPUs; the interpreter ignores both
+    num_stages: int = 3
 
     def run(self) -> None:
         # Triton launches on the current CUDA device: with a device map, a layer's tensors may be on another
         device = next((a.device for a in self.args if torch.is_tensor(a) and a.is_cuda), None)
         with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
-            self.kernel[self.grid](*self.args, **self.constexprs)
+            self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 
 def unsupported(query: torch.Tensor, key_cache: torch.Tensor) -> str | None:

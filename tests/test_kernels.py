@@ -13,7 +13,7 @@ import torch
 from hf_paged_kv import PagedKVError
 from hf_paged_kv.kernels import reference
 from hf_paged_kv.kernels.paged_decode import paged_decode
-from hf_paged_kv.kernels.paged_prefill import paged_prefill
+from hf_paged_kv.kernels.paged_prefill import paged_prefill, prefill_tiles
 from hf_paged_kv.kernels.triton_utils import check_dot_shape
 from hf_paged_kv.kernels.write_kv import write_kv
 
@@ -110,7 +110,9 @@ PREFILL_CASES = [  # (group, head_dim, block_size, dtype)
 
 @pytest.mark.parametrize("group, head_dim, block_size, dtype", PREFILL_CASES)
 @pytest.mark.parametrize("window", [None, 21])
-def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, window):
+@pytest.mark.parametrize("arch", [None, 80, 90], ids=["no-gpu-tiles", "sm80-tiles", "sm90-tiles"])
+def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, window, arch):
+    """Each GPU generation's tiles (`prefill_tiles`) computed here too, not only the CPU's."""
     gen = torch.Generator().manual_seed(group * 100 + head_dim + block_size)
     kv_heads = 1
     prefixes, news, width = [0, 45, 13], [40, 7, 33], 40  # varlen: prefix and new lengths per row
@@ -127,7 +129,7 @@ def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, win
     scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"))
     got = paged_prefill(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale, window,
-                        out=out)
+                        out=out, tiles=prefill_tiles(dtype, head_dim, arch))
     expected = reference_attention(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale,
                                    window)
     assert not got.isnan().any()
