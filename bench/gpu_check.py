@@ -39,17 +39,21 @@ of do_bench) so the script itself is tested where no GPU is (tests/test_gpu_chec
 
 from __future__ import annotations
 
+import os
+import sys
+
+if "--smoke" in sys.argv:  # the interpreter must be chosen before Triton is imported: main() is too late
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import argparse
 import contextlib
 import copy
 import datetime
 import gc
 import importlib.util
-import os
 import re
 import statistics
 import subprocess
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -225,23 +229,23 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
 
 
-def write_docs(body: str, revision: str | None) -> None:
+def write_docs(body: str, revision: str | None, section: str = "gpu_check") -> None:
     """Store `body` in docs/benchmarks.md (bench/common.py's `record`, or the same format when
     common could not be imported because the machine has no git)."""
     if common is not None:
         if revision:
             common.REVISION = revision
-        common.record("gpu_check", body)
+        common.record(section, body)
         return
     print(f"(bench/common.py not importable: {COMMON_ERROR}; writing the section here)", file=sys.stderr)
     path = ROOT / "docs" / "benchmarks.md"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
-    block = (f"<!-- gpu_check -->\n{body}\n\nMeasured {datetime.date.today().isoformat()} on {device}, code at "
-             f"{revision or 'unknown'}, with `{command}`.\n<!-- /gpu_check -->")
+    block = (f"<!-- {section} -->\n{body}\n\nMeasured {datetime.date.today().isoformat()} on {device}, code at "
+             f"{revision or 'unknown'}, with `{command}`.\n<!-- /{section} -->")
     print(body)
     text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"<!-- gpu_check -->.*?<!-- /gpu_check -->", re.S)
+    pattern = re.compile(rf"<!-- {section} -->.*?<!-- /{section} -->", re.S)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     path.parent.mkdir(exist_ok=True)
     path.write_text(text)

@@ -17,9 +17,11 @@ SCRIPT = ROOT / "bench" / "gpu_check.py"
 ERROR = r"\d\.\de[-+]\d+"
 
 
-def run_script(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT / "tests", env=env, capture_output=True,
+def run_script(*args: str, script: Path = SCRIPT) -> subprocess.CompletedProcess:
+    """Run a bench script as a user would: without TRITON_INTERPRET (`--smoke` must set it early
+    enough itself)."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, str(script), *args], cwd=ROOT / "tests", env=env, capture_output=True,
                           text=True, timeout=600)
 
 
@@ -56,3 +58,16 @@ def test_gpu_check_lists_what_failed_and_exits_non_zero(monkeypatch, capsys):
     for step in ("Decode", "Prefill", "End to end", "Host tier"):
         assert f"- {step}: not run, the time budget of 0 s was spent" in out
     assert "4 of 4 checks FAILED" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, run the real tuning instead")
+def test_kernel_tuning_smoke_run():
+    result = run_script("--smoke", script=ROOT / "bench" / "tune_kernels.py")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    # every prefill candidate and the default again: timed, checked against fp32 attention
+    prefill_rows = re.findall(rf"\| \d+ \| \d+ \| \d+ \| \d+(?: \(default\))? \| \d+ \| \d+ \| \d+ \| [\d.]+ \| ({ERROR}) \| ok \|", out)
+    assert len(prefill_rows) == 2 * 3  # two shapes x (two candidates + the default again)
+    assert out.count("| fastest |") >= 2
+    decode_rows = re.findall(rf"\| toy \| 1 \| 70 \| (\d+)(?: \(chosen\))? \| [\d.]+ \| [\d.]+ \| {ERROR} \|", out)
+    assert decode_rows == ["1"]  # 70 tokens: one split only (a split takes 64 keys at least)
