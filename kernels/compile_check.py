@@ -61,9 +61,8 @@ def variants(quick: bool) -> list[Variant]:
     return chosen
 
 
-def launches(variant: Variant, arch: int, kv_heads: int = 2, batch: int = 3, new_tokens: int = 40) -> list[Launch]:
-    """The launches of one decode step, one prefill and one KV write on a GPU of compute
-    capability `arch` (x10), on meta tensors."""
+def launches(variant: Variant, kv_heads: int = 2, batch: int = 3, new_tokens: int = 40) -> list[Launch]:
+    """The launches of one decode step, one prefill and one KV write, as on a GPU, on meta tensors."""
     heads, dim = kv_heads * variant.group, variant.head_dim
 
     def empty(*shape, dtype=variant.dtype):
@@ -78,7 +77,7 @@ def launches(variant: Variant, arch: int, kv_heads: int = 2, batch: int = 3, new
                          0.125, None, variant.num_splits, torch.empty_like(decode_query)),
         prefill_launch(prefill_query, cache, cache, tables, kv_lens, empty(batch, new_tokens, dtype=torch.int64),
                        0.125, 4096, torch.empty_like(prefill_query),
-                       tiles=prefill_tiles(variant.dtype, dim, arch)),
+                       tiles=prefill_tiles(variant.dtype, on_gpu=True)),
         write_kv_launch(cache, cache, new_kv, new_kv, empty(batch, new_tokens, dtype=torch.int64)),
     ]
 
@@ -127,7 +126,7 @@ def check(arch: int, quick: bool) -> list[dict]:
     target = GPUTarget("cuda", arch, 32)
     rows, seen = [], set()
     for variant in variants(quick):
-        for launch in launches(variant, arch):
+        for launch in launches(variant):
             source = specialize(launch)
             key = (source.hash(), launch.num_warps, launch.num_stages)
             if key in seen:

@@ -102,10 +102,19 @@ def _merge_splits_kernel(
     tl.store(out + row * s_ob + head * s_oh + dims * s_od, merged.to(out.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
+SPLIT_FROM = 4096  # keys in the longest row below which one split is fastest on the GPU
+
+
 def choose_splits(batch: int, kv_heads: int, max_kv_len: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU, each with at least a few tiles of keys."""
+    """Enough programs to fill the GPU, each with at least a few tiles of keys; but one split
+    (one launch) for rows shorter than `SPLIT_FROM`: on an H200 a call's wall time with one split
+    was 47-87 us at 384-2048 keys against 84-161 us split (the merge's launch and buffers cost
+    the host more than the GPU saves), while at 8192 keys splitting won, 82-147 us against
+    236-270 us (`bench/tune_kernels.py`, docs/benchmarks.md)."""
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(max_kv_len, 4 * TILE)))
+    if max_kv_len < SPLIT_FROM:
+        return 1
     programs = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     wanted = triton.cdiv(programs, max(1, batch * kv_heads))
     splits = max(1, min(triton.next_power_of_2(wanted), triton.cdiv(max_kv_len, 4 * TILE), 64))

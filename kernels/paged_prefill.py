@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .attention_tile import load_kv_tile, online_softmax_step
 from .triton_utils import (
-    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, gpu_arch, keys_per_tile, padded_head_dim,
+    Launch, check_device, check_dot_shape, check_inputs, dtype_flags, keys_per_tile, padded_head_dim,
 )
 
 BLOCK_M = 32  # queries per program off the GPU's 16-bit path (the interpreter, fp32)
@@ -36,15 +36,15 @@ class PrefillTiles:
     num_stages: int = 3
 
 
-def prefill_tiles(dtype: torch.dtype, head_dim: int, arch: int | None) -> PrefillTiles:
-    """The tiles `paged_prefill` uses on a GPU of compute capability `arch` (x10; None off the
-    GPU). There 16-bit caches take large tiles, the kernel being compute-bound: 128 queries per
-    program and 8 warps; 64 keys per step from Hopper on (sm_90), 32 before it, where 64 spill
-    registers at head dim 128 (`compile_check --arch 80`; not timed on an A100). fp32, kept
-    exact for equality tests, and the interpreter keep small tiles."""
-    if arch is None or dtype == torch.float32:
-        return PrefillTiles(BLOCK_M, keys_per_tile(TILE, dtype))
-    return PrefillTiles(128, 64 if arch >= 90 else 32, num_warps=8, num_stages=3)
+def prefill_tiles(dtype: torch.dtype, on_gpu: bool) -> PrefillTiles:
+    """The tiles `paged_prefill` uses. On the GPU, 16-bit caches take the fastest of the 24
+    candidates `bench/tune_kernels.py` timed on an H200 (docs/benchmarks.md, "Kernel tuning"):
+    64 queries x 32 keys, 4 warps, 2 stages, about as fast as 128 queries and 3 stages, which
+    spill registers at head dim 96+ (`compile_check`); it compiles without spills for sm_80 too.
+    fp32, kept exact for equality tests, and the interpreter keep 32-query tiles."""
+    if on_gpu and dtype != torch.float32:
+        return PrefillTiles(64, 32, num_warps=4, num_stages=2)
+    return PrefillTiles(BLOCK_M, keys_per_tile(TILE, dtype))
 
 
 @triton.jit
@@ -121,7 +121,7 @@ def prefill_launch(query, key_cache, value_cache, block_tables, kv_lens, q_pos, 
     batch, heads, new, head_dim = query.shape
     kv_heads = key_cache.shape[2]
     dim_pad = padded_head_dim(head_dim)
-    tiles = tiles or prefill_tiles(query.dtype, head_dim, gpu_arch(query.device))
+    tiles = tiles or prefill_tiles(query.dtype, query.is_cuda)
     check_dot_shape(tiles.block_m, tiles.tile, dim_pad)
     tables = block_tables.contiguous()
     return Launch(

@@ -23,14 +23,6 @@ SUPPORTED_HEAD_DIMS = (64, 96, 128)
 MIN_DOT_DIM = 16  # smallest M, N and K the GPU compiler accepts for tl.dot
 
 
-def gpu_arch(device: torch.device) -> int | None:
-    """Compute capability x10 of a CUDA device (90 for H100/H200), None for any other device."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 

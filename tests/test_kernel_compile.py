@@ -60,7 +60,7 @@ NARROW_DOT = """
 import dataclasses, torch, triton
 from triton.backends.compiler import GPUTarget
 from hf_paged_kv.kernels import compile_check
-launch = compile_check.launches(compile_check.Variant(torch.bfloat16, 64, 4, 16), 90)[0]
+launch = compile_check.launches(compile_check.Variant(torch.bfloat16, 64, 4, 16))[0]
 narrow = dataclasses.replace(launch, constexprs=dict(launch.constexprs, TILE=8))  # p @ v with K = 8
 triton.compile(compile_check.specialize(narrow), target=GPUTarget("cuda", 90, 32))
 """

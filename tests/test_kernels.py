@@ -110,9 +110,9 @@ PREFILL_CASES = [  # (group, head_dim, block_size, dtype)
 
 @pytest.mark.parametrize("group, head_dim, block_size, dtype", PREFILL_CASES)
 @pytest.mark.parametrize("window", [None, 21])
-@pytest.mark.parametrize("arch", [None, 80, 90], ids=["no-gpu-tiles", "sm80-tiles", "sm90-tiles"])
-def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, window, arch):
-    """Each GPU generation's tiles (`prefill_tiles`) computed here too, not only the CPU's."""
+@pytest.mark.parametrize("gpu_tiles", [False, True], ids=["cpu-tiles", "gpu-tiles"])
+def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, window, gpu_tiles):
+    """The GPU's tiles (`prefill_tiles`) computed here too, not only the CPU's."""
     gen = torch.Generator().manual_seed(group * 100 + head_dim + block_size)
     kv_heads = 1
     prefixes, news, width = [0, 45, 13], [40, 7, 33], 40  # varlen: prefix and new lengths per row
@@ -129,7 +129,7 @@ def test_paged_prefill_matches_reference(group, head_dim, block_size, dtype, win
     scale = head_dim**-0.5
     out = torch.full_like(query, float("nan"))
     got = paged_prefill(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale, window,
-                        out=out, tiles=prefill_tiles(dtype, head_dim, arch))
+                        out=out, tiles=prefill_tiles(dtype, gpu_tiles))
     expected = reference_attention(query, key_cache, value_cache, tables.to(DEVICE), lens, q_pos.to(DEVICE), scale,
                                    window)
     assert not got.isnan().any()
@@ -281,8 +281,22 @@ def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
 
     monkeypatch.setattr(module.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     cuda = SimpleNamespace(type="cuda")
-    counts = {module.choose_splits(batch, 3, length, cuda) for batch in (1, 4, 16) for length in range(1, 32768, 97)}
+    counts = {module.choose_splits(batch, 3, length, cuda) for batch in (1, 4, 16, 32, 64)
+              for length in range(1, 32768, 97)}
     assert counts <= {1, 2, 4, 8, 16, 32, 64} and len(counts) >= 5
+
+
+def test_short_rows_decode_in_one_split_on_the_gpu(monkeypatch):
+    """Below `SPLIT_FROM` keys one launch beats split + merge (measured on an H200); long rows
+    of a small batch still spread over the GPU."""
+    from types import SimpleNamespace
+
+    from hf_paged_kv.kernels import paged_decode as module
+
+    monkeypatch.setattr(module.torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    cuda = SimpleNamespace(type="cuda")
+    assert {module.choose_splits(batch, 8, length, cuda) for batch in (1, 16) for length in (1, 384, 2048, 4095)} == {1}
+    assert module.choose_splits(1, 8, 8192, cuda) == 32 and module.choose_splits(16, 8, 8192, cuda) == 8
 
 
 def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
