@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import sizing
+from . import promotion, sizing
 from .allocator import BlockAllocator
 from .errors import PagedKVError, PoolExhaustedError
 from .policy import BlockMeta, Policy
@@ -74,6 +74,7 @@ class KVPool:
         self.allocator = self.reuse = self.tiers = None  # BlockAllocator, ReuseManager, TierChain: made by bind
         self._lock = threading.RLock()
         self._deferred: collections.deque = collections.deque()  # work queued by finalizers
+        self._holds = 0  # nesting depth of locked() in the thread holding the lock
 
     # ------------------------------------------------------------------ binding
     @property
@@ -103,7 +104,7 @@ class KVPool:
         self.key_cache, self.value_cache = tensors[0::2], tensors[1::2]
         self.allocator = BlockAllocator(self.num_blocks, on_idle=self.tiers.note_idle)
         self.reuse = ReuseManager(self.allocator, self.block_size, self.policy, self.semantic,
-                                  self.options["pin_budget"], self.options["hot_threshold"])
+                                  self.options["pin_budget"], self.options["hot_threshold"], self.settle)
 
     @property
     def bytes_per_block(self) -> int:
@@ -111,13 +112,20 @@ class KVPool:
 
     @contextmanager
     def locked(self):
-        """Hold the pool's lock (reentrant). Work queued by finalizers runs first."""
+        """Hold the pool's lock (reentrant). Work queued by finalizers runs first; copies of
+        promotions still queued when the outermost hold ends are done then (`settle`)."""
         if self.allocator is None:  # every operation on blocks takes the lock: none before enable
             raise PagedKVError("this KVPool has no blocks yet: hf_paged_kv.enable(model, pool=pool) binds it")
         with self._lock:
-            while self._deferred:
-                self._deferred.popleft()()
-            yield self
+            self._holds += 1
+            try:
+                while self._deferred:
+                    self._deferred.popleft()()
+                yield self
+            finally:
+                self._holds -= 1
+                if not self._holds:
+                    promotion.settle(self)
 
     def defer(self, work) -> None:
         """Queue `work()` for the next `locked()` (from a finalizer, which must not take locks)."""
@@ -149,8 +157,7 @@ class KVPool:
     def _evict(self, count: int) -> None:
         if count <= 0:
             return
-        for block, meta in self.reuse.evict(count, self.policy.now()):
-            self.tiers.demote(meta, self.block_layers(block))
+        self.tiers.demote(self.reuse.evict(count, self.policy.now()), self.key_cache + self.value_cache)
 
     def incref(self, blocks) -> None:
         """Add a reference to blocks in use or cached (never to free ones)."""
@@ -222,21 +229,15 @@ class KVPool:
 
     # -------------------------------------------------------------- reuse glue
     def promote(self, digest: bytes, model: str, after: int | None = None) -> tuple[int, BlockMeta, str] | None:
-        """Bring `digest` back from a lower tier into a fresh referenced device block, after `after` if free."""
-        if self.tiers.has(digest) is None or self.num_available() < 1:
-            return None
-        (block,) = self.allocate(1, after)  # may demote other blocks, and push `digest` further down
-        tier = self.tiers.has(digest)  # where the copy comes from now (counted per tier)
-        try:
-            meta = self.tiers.promote(digest, model, block, self.block_layers(block))
-        except BaseException:  # the copy failed (an I/O error, Ctrl-C): the block goes back
-            self.decref([block])
-            raise
-        if meta is None:
-            self.decref([block])
-            return None
-        self.allocator.fill[block] = meta.fill
-        return block, meta, tier
+        """Bring `digest` back from a lower tier into a fresh referenced device block, after `after`
+        if free. From the host tier its copy is queued: under an outer `locked()`, `settle` before
+        reading the block (the reuse walks do; letting the lock go does too)."""
+        return promotion.promote(self, digest, model, after)
+
+    def settle(self) -> None:
+        """Do the queued promotions' copies, in one batch (see `promotion.settle`)."""
+        with self._lock:
+            promotion.settle(self)
 
     def clear_tenant(self, tenant: str) -> int:
         """Forget every cached prefix, semantic entry, pin and lower-tier copy of `tenant` (blocks

@@ -2,7 +2,8 @@
 
 It owns the exact prefix index, the optional semantic index and the pins, and counts what they
 do. It holds the allocator (to reference what it hands out) but not the pool: bringing a block
-back from a lower tier needs the pool's tensors, so `acquire` takes a `promote` callable.
+back from a lower tier needs the pool's tensors, so `inherit` and `bring_back` take a `promote`
+callable, and a walk ends with `settle` (the pool's), which does the copies its promotions queued.
 Every call happens under the pool's lock, except `embed`.
 """
 
@@ -31,8 +32,9 @@ Promote = Callable[[bytes, "int | None"], "tuple[int, BlockMeta, str] | None"]
 
 class ReuseManager:
     def __init__(self, allocator: BlockAllocator, block_size: int, policy: Policy, semantic: SemanticIndex | None,
-                 pin_budget: float, hot_threshold: float | None):
+                 pin_budget: float, hot_threshold: float | None, settle: Callable[[], None] = lambda: None):
         self.allocator, self.block_size, self.policy = allocator, block_size, policy
+        self.settle = settle  # does the copies of the promotions a walk queued (`KVPool.settle`)
         self.index = PrefixIndex(block_size, policy, allocator)
         self.semantic = semantic
         if semantic is not None:  # entries' ages and the pool's ttl count on one clock
@@ -95,6 +97,7 @@ class ReuseManager:
                     self.index.adopt(block, meta, after)
                     self.counters[f"hit_tokens_{tier}"] += self.block_size
                 found.append(block)
+            self.settle()  # before anyone reads them; a copy that fails lets go of them all, below
         except BaseException:  # a promotion that raised (a full pool, a disk error, Ctrl-C): nothing is kept
             self.allocator.decref(found)
             raise
@@ -166,9 +169,10 @@ class ReuseManager:
                     break
                 block, meta, _ = brought
                 self.index.adopt(block, meta, after)
-                self.allocator.decref([block])  # cached, unreferenced: evictable as before
+                self.allocator.decref([block])  # cached, unreferenced (evictable once its queued copy is done)
                 promoted += self.block_size
             chain.append(block)
+        self.settle()
         return promoted
 
     # --------------------------------------------------------------- offer

@@ -5,15 +5,20 @@
 
 Each step keeps the block's `BlockMeta` with its weight decayed to the moment of the move, so a
 block is worth the same in every tier. Expired blocks are never demoted. Without a host tier,
-evicted blocks go straight to disk; without either, they are dropped.
+evicted blocks go straight to disk; without either, they are dropped. Copies between the device
+and the host are batched (see `tiers.host`): the blocks of one eviction are read in one batch,
+and promotions from the host are queued and copied together by `flush`.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from ..fingerprint import is_local
 from ..policy import BlockMeta, Policy
+from . import transfer
 from .disk import DiskTier
 from .host import HostTier
 
@@ -34,22 +39,39 @@ class TierChain:
     def empty(self) -> bool:
         return self.host is None and self.disk is None
 
-    def demote(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep an evicted device block (`layers`: its `(key, value)` views) one tier down."""
-        now = self.policy.now()
-        if meta.expired(now):
+    def demote(self, victims: list[tuple[int, BlockMeta]], tensors: list[torch.Tensor]) -> None:
+        """Keep evicted device blocks (`(block, meta)`; `tensors`: the pool's keys then values)
+        one tier down. Their data is read in batches (`transfer.to_host`: on CUDA one wait for a
+        whole batch), before the caller can reuse the blocks."""
+        if self.empty:
             return
-        meta = meta.as_of(now, self.policy.half_life)
-        if self.host is not None:
-            if self.host.contains(meta.digest, now):  # recomputed while its copy waited here
-                return
+        now = self.policy.now()
+        # a block recomputed while its copy waited on the host keeps that copy
+        kept = [(block, meta.as_of(now, self.policy.half_life)) for block, meta in victims
+                if not meta.expired(now) and not (self.host is not None and self.host.contains(meta.digest, now))]
+        for part in transfer.chunks(kept, sum(t[0].nbytes for t in tensors)):
+            start = time.perf_counter()
+            rows = transfer.to_host(tensors, [block for block, _ in part])
+            read = time.perf_counter() - start
+            if self.host is not None:
+                self.host.receive(rows)
+            for i, (_, meta) in enumerate(part):
+                self._keep(meta, rows, i)
+            if self.host is not None:
+                self.host.commit(read)
+
+    def _keep(self, meta: BlockMeta, rows: list[torch.Tensor], i: int) -> None:
+        """Block `i` of a batch read from the device goes to the host (its lowest leaf moving on
+        to disk when it is full), else to disk. When every host slot waits for a queued promotion
+        to read it (nothing held can leave), it goes straight to disk, or is dropped."""
+        if self.host is not None and not (self.host.full() and not self.host.used()):
             if self.host.full():
                 dropped, data = self.host.lowest()
                 if self.disk is not None:
                     self.disk.write(dropped, data)
-            self.host.store(meta, layers)
+            self.host.store(meta, i)
         elif self.disk is not None:
-            self.disk.write(meta, layers)
+            self.disk.write(meta, transfer.block_of(rows, i))
 
     def write_to_disk(self, meta: BlockMeta, layers) -> bool:
         """`persist`: write a device block to disk now (it also stays on the device)."""
@@ -64,13 +86,22 @@ class TierChain:
         return None
 
     def promote(self, digest: bytes, model: str, block: int, layers) -> BlockMeta | None:
-        """Copy `digest` from the host or disk tier into device `block` (`layers`: its views)."""
+        """Bring `digest` from the host or disk tier into device `block` (`layers(block)`: its
+        views, made only for a disk read): from disk copied now, from the host queued for `flush`."""
         tier = self.has(digest)
         if tier == "host":
-            return self.host.load(digest, block, layers)
+            return self.host.load(digest, block)
         if tier == "disk":
-            return self.disk.load(digest, model, layers)
+            return self.disk.load(digest, model, layers(block))
         return None
+
+    def queued(self) -> list[int]:
+        """Device blocks whose promotion from the host is queued: not to be read before `flush`."""
+        return self.host.queued_blocks() if self.host is not None else []
+
+    def flush(self, tensors: list[torch.Tensor]) -> list[int]:
+        """Copy the queued promotions into the pool (`tensors`: keys then values); returns their blocks."""
+        return self.host.flush(tensors) if self.host is not None else []
 
     def note_idle(self, blocks: list[int]) -> None:
         if self.host is not None:

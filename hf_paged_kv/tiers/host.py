@@ -9,6 +9,34 @@ CUDA from page-locked memory on a separate stream, which waits only for the kern
 used that device block (the forward's stream waits for the copy on the GPU, the host never
 does), on the CPU with plain copies. Only blocks of a matched prefix are ever copied back.
 
+Copies are batched (`transfer`): a burst of blocks costs a fixed number of operations per layer
+tensor, not one copy per block and tensor (256 blocks of a 30-layer model took 15,360 copies of
+~10 us of host time each, and a host-tier hit was slower than recomputing the prompt).
+
+- Demotion: `TierChain.demote` reads all the blocks one eviction frees in one batch (on CUDA one
+  wait for the whole batch, where each block's copies waited before) before the pool can reuse
+  them; `store` only takes slots and `commit` writes them, one copy per tensor. A block stored
+  from the batch that must leave again before `commit` (the tier is full and it is already the
+  lowest leaf) hands the next tier its staged rows. The read stays synchronous: an asynchronous
+  one would make every later reader of the slot and writer of the block wait for it.
+- Promotion: `load` does the bookkeeping of one block at once – the pool allocates it, the walk
+  adopts it into the index, exactly as before – and only queues its copy; `flush` copies all the
+  queued blocks in one batch. Deferring the data only keeps every decision of the walk
+  (`ReuseManager._exact`, `bring_back`: allocations that may evict, blocks that come from disk
+  instead, a walk that stops halfway) as it was, where collecting the walk first and allocating
+  after would have had to redo them. What deferring must guarantee: nothing reads a queued block
+  before `flush`, and no slot is reused before `flush` has read it. The slot stays taken until
+  then; the pool holds one more reference on the block while its copy is queued, so no eviction
+  (demotion), `decref` or failure path frees or reuses it (a block `bring_back` lets go of at
+  once stays until its data is there); and the pool flushes at the end of every walk, inside the
+  walk's exception handling, and when its lock is let go (`promotion`), so a forward, a disk
+  write or `audit` never sees a queued block. A flush that fails unindexes its blocks. An
+  eviction inside a walk when every slot is queued sends its block straight to disk.
+- CUDA: the flush runs on the side stream after the last use of every target block
+  (`note_idle`: waiting for those events only), and the forward's stream waits for it on the
+  GPU, never the host. A run of slots is copied in place, so the host writes a slot (`commit`)
+  only once the side stream is done.
+
 When the host tier is full, its lowest-value leaf leaves it (`TierChain` passes it on to the
 disk tier, if there is one): a lookup stops at the first missing block of a prefix, so dropping
 an inner block would strand every block after it. The disk tier drops the same way.
@@ -21,7 +49,10 @@ import time
 import torch
 
 from ..policy import BlockMeta, Policy
+from . import transfer
 from .leaves import LeafQueue
+
+COUNTERS = ("demotions", "promotions", "host_drops", "copy_bytes", "copy_batches")
 
 
 class HostTier:
@@ -41,31 +72,57 @@ class HostTier:
         self.metas: dict[int, BlockMeta] = {}
         self.free_slots = list(range(num_blocks - 1, -1, -1))
         self.leaves = LeafQueue(policy)  # which slot leaves when the tier is full
-        self.counters = dict.fromkeys(("demotions", "promotions", "host_drops", "copy_bytes"), 0) | {"copy_seconds": 0.0}
+        self.staged: list[torch.Tensor] = []  # the batch being demoted (`receive`), until `commit`
+        self.incoming: dict[int, int] = {}  # slot -> its block's row in `staged`, until `commit` writes it
+        self.queue: list[tuple[int, int]] = []  # (slot, device block) of promotions `flush` has not copied yet
+        self.counters = dict.fromkeys(COUNTERS, 0) | {"copy_seconds": 0.0}
 
     def full(self) -> bool:
         return not self.free_slots
 
-    def store(self, meta: BlockMeta, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy one block (`(key, value)` per layer, on any device) into a free slot; its digest
-        must not be held yet (`TierChain.demote` asks `contains` first)."""
+    # ------------------------------------------------------------ demotion
+    def receive(self, rows: list[torch.Tensor]) -> None:
+        """The batch the next `store`s take their blocks from (`rows`: host tensors, keys then
+        values, `[n, *block]` each, left alone until `commit`). Its first blocks take the free
+        slots in descending order: evictions come leaf first, so a prefix then lies in ascending
+        slots from its root, the order a promotion walk reads them in (one run: copied in place)."""
+        self.staged, count = rows, len(rows[0])
+        if count > 1:
+            self.free_slots[-count:] = self.free_slots[-count:][::-1]
+
+    def store(self, meta: BlockMeta, row: int) -> None:
+        """Take a free slot for block `row` of the batch `receive` gave; `commit` writes it. Its
+        digest must not be held yet (`TierChain.demote` asks `contains` first)."""
         slot = self.free_slots.pop()
-        start = time.perf_counter()
-        for host_k, host_v, (key, value) in zip(self.keys, self.values, layers):
-            host_k[slot].copy_(key)  # synchronous: the device block is reused right after
-            host_v[slot].copy_(value)
-        self._account(start)
+        self.incoming[slot] = row
         self.by_digest[meta.digest], self.metas[slot] = slot, meta
         self.leaves.add(slot, meta)
         self.counters["demotions"] += 1
 
+    def commit(self, read_seconds: float = 0.0) -> None:
+        """Write the blocks `store` took slots for: per host tensor one copy for all of them.
+        `read_seconds`: what reading them from the device took (counted in `copy_seconds`)."""
+        if not self.incoming:
+            return
+        start = time.perf_counter()
+        if self.stream is not None:  # a queued promotion from a run of slots reads them in place
+            self.stream.synchronize()
+        slots, rows = list(self.incoming), list(self.incoming.values())
+        for host, staged in zip(self.keys + self.values, self.staged):
+            transfer.scatter(host, slots, transfer.gather(staged, rows))
+        self.incoming, self.staged = {}, []
+        self.counters["copy_batches"] += 1
+        self._account(len(slots), time.perf_counter() - start + read_seconds)
+
     def lowest(self) -> tuple[BlockMeta, list[tuple[torch.Tensor, torch.Tensor]]]:
         """Remove an expired block or the lowest-value leaf (found by `LeafQueue`, without a
-        scan); returns its metadata and data (views, valid until the next store) for the next
-        tier down."""
+        scan); returns its metadata and data (views, valid until the next store or `commit`) for
+        the next tier down: a block stored since the last `commit` hands over its staged rows."""
         slot = self.leaves.lowest(self.policy.now())
         meta = self.metas[slot]
-        layers = [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)]
+        row = self.incoming.get(slot)
+        layers = (transfer.block_of(self.staged, row) if row is not None
+                  else [(k[slot], v[slot]) for k, v in zip(self.keys, self.values)])
         self._remove(slot)
         self.counters["host_drops"] += 1
         return meta, layers
@@ -88,30 +145,58 @@ class HostTier:
             return False
         return slot is not None
 
-    def load(self, digest: bytes, block: int, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> BlockMeta:
-        """Copy the block of `digest` into device `block` (`layers`: its `(key, value)` views)
-        and give the slot up; returns its metadata."""
+    # ----------------------------------------------------------- promotion
+    def load(self, digest: bytes, block: int) -> BlockMeta:
+        """Give up the block of `digest` to device `block`: returns its metadata at once and queues
+        the copy for `flush` (its slot stays taken until then). The caller must not read `block`
+        before `flush`."""
         slot = self.by_digest[digest]
-        start = time.perf_counter()
-        pairs = [(dev, host[slot]) for (k, v), hk, hv in zip(layers, self.keys, self.values)
-                 for dev, host in ((k, hk), (v, hv))]
-        if self.stream is not None:
-            last_use = self.idle_since.pop(block, None)
-            if last_use is not None:  # kernels queued before the block was let go may still touch it
-                self.stream.wait_event(last_use)
-            with torch.cuda.stream(self.stream):
-                for device, host in pairs:
-                    device.copy_(host, non_blocking=True)
-            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
-        else:
-            for device, host in pairs:
-                device.copy_(host)
-        self._account(start)
         meta = self.metas[slot]
-        self._remove(slot)
+        self._forget(slot)
+        self.queue.append((slot, block))
         self.counters["promotions"] += 1
         return meta
 
+    def queued_blocks(self) -> list[int]:
+        return [block for _, block in self.queue]
+
+    def flush(self, targets: list[torch.Tensor]) -> list[int]:
+        """Copy every queued block into its device block (`targets`: the pool's tensors, keys then
+        values, as `keys + values` here) in one batch per `transfer.CHUNK_BYTES`; returns the
+        blocks. On CUDA the copies run on the side stream once the last use of each target block
+        is done, and the forward's stream waits for them on the GPU. The slots are free again
+        afterwards, even when a copy raised."""
+        queue, self.queue = self.queue, []
+        if not queue:
+            return []
+        start = time.perf_counter()
+        try:
+            if self.stream is None:
+                self._copy_in(queue, targets)
+            else:
+                self._wait_for_last_use([block for _, block in queue])
+                with torch.cuda.stream(self.stream):
+                    self._copy_in(queue, targets)
+        finally:
+            if self.stream is not None:  # also after a failure: its blocks are reused on that stream
+                torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+            self.free_slots.extend(slot for slot, _ in reversed(queue))  # taken again in this order: a run stays one
+        self._account(len(queue), time.perf_counter() - start)
+        return [block for _, block in queue]
+
+    def _copy_in(self, queue: list[tuple[int, int]], targets: list[torch.Tensor]) -> None:
+        for part in transfer.chunks(queue, self.bytes_per_block()):
+            transfer.to_device(self.keys + self.values, [s for s, _ in part], targets, [b for _, b in part])
+            self.counters["copy_batches"] += 1
+
+    def _wait_for_last_use(self, blocks: list[int]) -> None:
+        """The side stream waits for the kernels queued before each block was let go (one event
+        covers all the blocks one `decref` let go)."""
+        events = {id(e): e for block in blocks if (e := self.idle_since.pop(block, None)) is not None}
+        for event in events.values():
+            self.stream.wait_event(event)
+
+    # -------------------------------------------------------------- upkeep
     def forget(self, tenant: str | None = None, model: str | None = None) -> int:
         doomed = [s for s, m in self.metas.items()
                   if (tenant is None or m.tenant == tenant) and (model is None or m.model == model)]
@@ -129,12 +214,17 @@ class HostTier:
         return {"host_blocks": self.num_blocks, "host_blocks_used": self.used(),
                 "host_bytes_used": self.used() * self.bytes_per_block()} | self.counters
 
-    def _account(self, start: float) -> None:
-        self.counters["copy_bytes"] += self.bytes_per_block()
-        self.counters["copy_seconds"] += time.perf_counter() - start
+    def _account(self, blocks: int, seconds: float) -> None:
+        self.counters["copy_bytes"] += blocks * self.bytes_per_block()
+        self.counters["copy_seconds"] += seconds
 
-    def _remove(self, slot: int) -> None:
+    def _forget(self, slot: int) -> None:
+        """Drop a slot's block from the catalogue; the slot itself is not free yet."""
         meta = self.metas.pop(slot)
         del self.by_digest[meta.digest]
         self.leaves.remove(slot, meta)
+        self.incoming.pop(slot, None)
+
+    def _remove(self, slot: int) -> None:
+        self._forget(slot)
         self.free_slots.append(slot)
