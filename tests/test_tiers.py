@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -9,10 +10,12 @@ import torch
 from conftest import VOCAB, assert_pool_clean, greedy, make_model, manual_clock
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache
+from hf_paged_kv.integration import current_fingerprint
 
 BLOCK = 8
 
@@ -488,3 +491,197 @@ def test_a_promotion_pushed_from_host_to_disk_by_its_own_allocation_counts_as_a_
     hf_paged_kv.disable(model)
     expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 9, dtype=torch.long), new_tokens=1)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+# ------------------------------------------------------------------ batched copies
+# Copies between the device pool and the host tier are batched: a promotion walk or an eviction
+# moves its blocks in a fixed number of copy operations, however many blocks, and every block
+# arrives bit-exact, whichever way the batch is laid out (runs of blocks or scattered ones, slots
+# handed over before the batch is written, blocks let go while their copy is queued).
+
+
+def delta(pool, before, *keys):
+    now = pool.stats()
+    return tuple(now[k] - before[k] for k in keys)
+
+
+def inherit(pool, model, prompt):
+    """`inherit` as a forward does it (under the pool's lock); returns its referenced blocks."""
+    fingerprint = current_fingerprint(model)
+    with pool.locked():
+        blocks, _ = pool.reuse.inherit(fingerprint, "default", prompt.numpy(), len(prompt) - 1,
+                                       lambda digest, after: pool.promote(digest, fingerprint, after))
+    return blocks
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch operations run inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("scattered", [False, True], ids=["into a run of blocks", "into scattered blocks"])
+def test_a_long_prefix_comes_back_from_the_host_bit_exact_in_one_batch(model, scattered):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK, host_blocks=32))
+    prompt = tokens(12 * BLOCK, 1)
+    _, _, blocks = request(model, prompt, blocks=12)
+    before = snapshot(pool, blocks)
+    evict_all(pool)
+    assert hf_paged_kv.cached_tokens(model, prompt) == {"device": 0, "host": 12 * BLOCK, "disk": 0}
+    held = pool.allocate(pool.num_free()) if scattered else []
+    pool.decref(held[::2])  # every other block free: the walk cannot continue a run
+    stats = pool.stats()
+    ids = torch.cat([prompt, tokens(5, 2)])
+    skipped, out, promoted = request(model, ids, new_tokens=2, blocks=12)
+    pool.decref(held[1::2])
+    assert skipped == 12 * BLOCK
+    assert (promoted == list(range(promoted[0], promoted[0] + 12))) != scattered
+    for now, original in zip(snapshot(pool, promoted), before, strict=True):
+        assert torch.equal(now, original)
+    assert delta(pool, stats, "promotions", "copy_batches") == (12, 1)
+    hf_paged_kv.disable(model)
+    expected = greedy(model, DynamicCache(), ids[None], torch.ones(1, len(ids), dtype=torch.long), new_tokens=2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert_pool_clean(pool)
+
+
+def test_one_eviction_demotes_every_block_bit_exact_in_one_batch(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=BLOCK, host_blocks=32))
+    prompts = [tokens(5 * BLOCK, 3), tokens(7 * BLOCK, 4)]
+    before = {}
+    for prompt in prompts:
+        _, _, blocks = request(model, prompt, blocks=len(prompt) // BLOCK)
+        before[id(prompt)] = snapshot(pool, blocks)
+    stats = pool.stats()
+    evict_all(pool)  # both prefixes, leaves of both interleaved by value
+    assert delta(pool, stats, "demotions", "copy_batches") == (12, 1)
+    for prompt in prompts:
+        assert hf_paged_kv.cached_tokens(model, prompt)["host"] == len(prompt)
+        promoted = inherit(pool, model, torch.cat([prompt, tokens(1, 5)]))
+        assert len(promoted) == len(prompt) // BLOCK
+        for now, original in zip(snapshot(pool, promoted), before[id(prompt)], strict=True):
+            assert torch.equal(now, original)
+        pool.decref(promoted)
+    assert_pool_clean(pool)
+
+
+def test_a_block_brought_back_and_evicted_again_in_one_burst_is_demoted_with_its_data(model):
+    """`bring_back` lets go of each promoted block at once: the next allocation under the same
+    lock may evict it again, and must find its data there, not the block's earlier contents."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, host_blocks=16, hot_threshold=None))
+    prompt = tokens(4 * BLOCK + 1, 6)
+    _, _, blocks = request(model, prompt, blocks=4)
+    before = snapshot(pool, blocks)
+    evict_all(pool)
+    for cache in pool.key_cache + pool.value_cache:  # what a stale copy would demote
+        cache.fill_(7.0)
+    fingerprint = current_fingerprint(model)
+    with pool.locked():
+        brought = pool.reuse.bring_back(fingerprint, "default", prompt.numpy(),
+                                        lambda digest, after: pool.promote(digest, fingerprint, after))
+        assert brought == 4 * BLOCK
+        assert hf_paged_kv.cached_tokens(model, prompt)["device"] == 4 * BLOCK
+        evict_all(pool)  # the same burst: every block just brought back goes down again
+    assert hf_paged_kv.cached_tokens(model, prompt)["host"] == 4 * BLOCK
+    promoted = inherit(pool, model, prompt)
+    for now, original in zip(snapshot(pool, promoted), before, strict=True):
+        assert torch.equal(now, original)
+    pool.decref(promoted)
+    assert pool.stats()["promotions"] == 8 and pool.stats()["demotions"] == 8
+    assert_pool_clean(pool)
+
+
+def test_a_promotion_under_an_outer_lock_is_done_by_settle_or_when_the_lock_is_let_go(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, host_blocks=16))
+    prompt = tokens(2 * BLOCK + 1, 9)
+    _, _, blocks = request(model, prompt, blocks=2)
+    before = snapshot(pool, blocks)
+    evict_all(pool)
+    fingerprint = current_fingerprint(model)
+    pairs = pool.reuse.index.digest_pairs(fingerprint, "default", prompt.numpy(), 2)
+    for (digest, _), original, settle in zip(pairs, before, (True, False), strict=True):
+        with pool.locked():
+            block, _, tier = pool.promote(digest, fingerprint)
+            assert tier == "host" and pool.audit()["references"] == 2  # the caller's and the queued copy's
+            if settle:
+                pool.settle()
+                assert pool.audit()["references"] == 1 and torch.equal(snapshot(pool, [block])[0], original)
+        assert pool.audit()["references"] == 1
+        assert torch.equal(snapshot(pool, [block])[0], original)
+        pool.decref([block])
+    assert_pool_clean(pool)
+
+
+def test_a_full_host_tier_passes_on_blocks_of_the_batch_it_is_writing(model, tmp_path):
+    """One eviction of more blocks than the host tier holds: blocks stored from this batch leave
+    for disk before the batch is written, and must take their own data along."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=3, disk_dir=tmp_path))
+    prompt = tokens(6 * BLOCK + 1, 10)
+    _, _, blocks = request(model, prompt, blocks=6)
+    before = snapshot(pool, blocks)
+    evict_all(pool)
+    assert hf_paged_kv.cached_tokens(model, prompt) == {"device": 0, "host": 3 * BLOCK, "disk": 3 * BLOCK}
+    promoted = inherit(pool, model, prompt)
+    assert len(promoted) == 6
+    for now, original in zip(snapshot(pool, promoted), before, strict=True):
+        assert torch.equal(now, original)
+    pool.decref(promoted)
+    assert_pool_clean(pool)
+
+
+def test_a_failed_batch_copy_leaves_no_block_behind(model, monkeypatch):
+    """The batched copy of a walk's promotions raises: the request fails with that error, its
+    blocks leave the index (their data never came) and nothing stays referenced."""
+    from hf_paged_kv.tiers.host import HostTier
+
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=24, block_size=BLOCK, host_blocks=16))
+    prompt = tokens(3 * BLOCK + 1, 12)
+    request(model, prompt)
+    evict_all(pool)
+
+    flush = HostTier.flush
+
+    def fails(self, targets):
+        flush(self, targets)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(HostTier, "flush", fails)
+        with pytest.raises(KeyboardInterrupt):
+            request(model, prompt)
+    assert hf_paged_kv.cached_tokens(model, prompt)["device"] == 0
+    assert_pool_clean(pool)
+    skipped, out = request(model, prompt, new_tokens=2)  # computed again, correctly
+    assert skipped == 0
+    hf_paged_kv.disable(model)
+    expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, len(prompt), dtype=torch.long), new_tokens=2)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def operations(model, blocks):
+    """The torch operations one eviction of a `blocks`-block prefix and its promotion run."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, host_blocks=16))
+    prompt = tokens(blocks * BLOCK + 1, 20 + blocks)
+    request(model, prompt)
+    with CountOps() as demotion:
+        evict_all(pool)
+    with CountOps() as promotion:
+        promoted = inherit(pool, model, prompt)
+    assert len(promoted) == blocks
+    pool.decref(promoted)
+    hf_paged_kv.disable(model)
+    return demotion.counts, promotion.counts
+
+
+def test_the_number_of_copy_operations_does_not_grow_with_the_blocks(model):
+    """Per-block copies (or per-block views) would make these counts grow with the prefix."""
+    few, many = operations(model, 2), operations(model, 9)
+    assert few == many
+    tensors = 2 * len(model.model.layers)  # a key and a value tensor per layer
+    for counts in few:  # per tensor a gather, a copy and a scatter at most
+        assert sum(counts[f"aten.{name}"] for name in ("copy_", "index_select", "index_copy_")) <= 3 * tensors, counts
