@@ -426,7 +426,7 @@ def paged_attention(module, query, key, value, attention_mask, dropout: float = 
     layer, plan = module.layer_idx, current.plan
     # stored without their graph: the pool outlives the forward, and holding its autograd graph
     # would keep every grad-enabled forward's activations alive (gradients never reach stored KV)
-    current.backend.write(plan, layer, key.detach(), value.detach())
+    current.backend.write(plan, layer, *(t.detach() if t.requires_grad else t for t in (key, value)))
     current.written.add(layer)
     out, weights = current.backend.attention(query, layer, plan, scale, sliding_window, softcap,
                                              need_weights=current.need_weights, new_kv=(key, value))

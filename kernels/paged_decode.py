@@ -11,6 +11,8 @@ outside the sliding window, or behind a `-1` block-table entry are never read.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -146,44 +148,78 @@ def decode_launches(
 ) -> list[Launch]:
     """The split kernel and (with more than one split) the merge kernel of one `paged_decode`
     call, arguments checked."""
-    check_inputs(query, key_cache)
-    batch, heads, head_dim = query.shape
-    kv_heads = key_cache.shape[2]
-    group = heads // kv_heads
-    group_pad = max(16, triton.next_power_of_2(group))
-    dim_pad = padded_head_dim(head_dim)
-    tile = keys_per_tile(TILE, query.dtype)
-    check_dot_shape(group_pad, tile, dim_pad)
     if num_splits is None:
-        max_kv_len = int(kv_lens.max()) if batch else 0
-        num_splits = choose_splits(batch, kv_heads, max_kv_len, query.device)
-    if num_splits == 1:  # the kernel writes `out`; the partial buffers are never touched
-        partial_out = partial_lse = out
-    else:
-        partial_out = torch.empty((batch, heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
-    tables = block_tables.contiguous()
-    split = Launch(
-        _decode_split_kernel, (batch, kv_heads, num_splits),
-        (
-            query, key_cache, value_cache, tables, kv_lens.contiguous(), q_pos.to(torch.int64).contiguous(),
-            partial_out, partial_lse, out, scale, window or 0, tables.shape[1],
-            *query.stride(), *key_cache.stride(), *out.stride(),
-        ),
-        dict(
-            BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=tile, NUM_SPLITS=num_splits,
-            SOFTCAP=float(softcap or 0.0), **dtype_flags(query.dtype),
-        ),
-    )
-    if num_splits == 1:
-        return [split]
-    merge = Launch(
-        _merge_splits_kernel, (batch, heads),
-        (partial_out, partial_lse, out, *out.stride()),
-        dict(
-            NUM_HEADS=heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
-        ),
-    )
-    return [split, merge]
+        max_kv_len = int(kv_lens.max()) if query.shape[0] else 0
+        num_splits = choose_splits(query.shape[0], key_cache.shape[2], max_kv_len, query.device)
+    setup = DecodeSetup.build(query, key_cache, block_tables, kv_lens, q_pos, window, num_splits, softcap)
+    return setup.launches(query, key_cache, value_cache, scale, out)
+
+
+@dataclass(frozen=True)
+class DecodeSetup:
+    """What the `paged_decode` launches of every layer of one forward share: the rows' block
+    tables, lengths and positions in the kernels' form, the split count, the compile-time
+    constants and the merge's scratch buffers. Built once per forward (`build`), so each layer
+    only launches (`launches`): on a GPU a decode step is bound by the host's time per layer.
+    Layers may share the scratch: they run one after another on one stream."""
+
+    rows: tuple  # (block tables, kv_lens, q_pos as int64), contiguous
+    window: int
+    num_splits: int
+    constexprs: dict
+    merge_constexprs: dict
+    partial_out: torch.Tensor | None
+    partial_lse: torch.Tensor | None
+
+    @classmethod
+    def build(cls, query, key_cache, block_tables, kv_lens, q_pos, window, num_splits, softcap) -> DecodeSetup:
+        """For queries and caches of the shapes, strides and dtypes of `query` and `key_cache`."""
+        check_inputs(query, key_cache)
+        batch, heads, head_dim = query.shape
+        kv_heads = key_cache.shape[2]
+        group = heads // kv_heads
+        group_pad = max(16, triton.next_power_of_2(group))
+        dim_pad = padded_head_dim(head_dim)
+        tile = keys_per_tile(TILE, query.dtype)
+        check_dot_shape(group_pad, tile, dim_pad)
+        partial_out = partial_lse = None
+        if num_splits > 1:
+            partial_out = torch.empty((batch, heads, num_splits, dim_pad), dtype=torch.float32, device=query.device)
+            partial_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=query.device)
+        return cls(
+            rows=(block_tables.contiguous(), kv_lens.contiguous(), q_pos.to(torch.int64).contiguous()),
+            window=window or 0, num_splits=num_splits,
+            constexprs=dict(
+                BLOCK_SIZE=key_cache.shape[1], GROUP=group, GROUP_PAD=group_pad,
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad, TILE=tile, NUM_SPLITS=num_splits,
+                SOFTCAP=float(softcap or 0.0), **dtype_flags(query.dtype),
+            ),
+            merge_constexprs=dict(
+                NUM_HEADS=heads, NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
+                HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+            ),
+            partial_out=partial_out, partial_lse=partial_lse,
+        )
+
+    def launches(self, query, key_cache, value_cache, scale, out) -> list[Launch]:
+        """The launches of one layer (`query` and caches shaped as those `build` saw)."""
+        batch, kv_heads = query.shape[0], key_cache.shape[2]
+        tables = self.rows[0]
+        # with one split the kernel writes `out`, and never touches the partial buffers
+        partial_out = out if self.partial_out is None else self.partial_out
+        partial_lse = out if self.partial_lse is None else self.partial_lse
+        split = Launch(
+            _decode_split_kernel, (batch, kv_heads, self.num_splits),
+            (
+                query, key_cache, value_cache, *self.rows, partial_out, partial_lse, out,
+                scale, self.window, tables.shape[1], *query.stride(), *key_cache.stride(), *out.stride(),
+            ),
+            self.constexprs,
+        )
+        if self.num_splits == 1:
+            return [split]
+        merge = Launch(
+            _merge_splits_kernel, (batch, query.shape[1]), (partial_out, partial_lse, out, *out.stride()),
+            self.merge_constexprs,
+        )
+        return [split, merge]

@@ -40,9 +40,12 @@ class Launch:
     num_stages: int = 3
 
     def run(self) -> None:
-        # Triton launches on the current CUDA device: with a device map, a layer's tensors may be on another
-        device = next((a.device for a in self.args if torch.is_tensor(a) and a.is_cuda), None)
-        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
+        # Triton launches on the current CUDA device: with a device map, a layer's tensors may be on
+        # another. Every launch's first argument is a tensor on its device; switching costs the host
+        # microseconds per launch, so only when needed
+        device = self.args[0].device
+        switch = device.type == "cuda" and device.index != torch.cuda.current_device()
+        with torch.cuda.device(device) if switch else contextlib.nullcontext():
             self.kernel[self.grid](*self.args, **self.constexprs, num_warps=self.num_warps, num_stages=self.num_stages)
 
 

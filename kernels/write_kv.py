@@ -7,6 +7,8 @@ that shares another row's prompt) writes nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -49,20 +51,41 @@ def write_kv_launch(key_cache, value_cache, key, value, slot_mapping) -> Launch 
     """The kernel launch of one `write_kv` call; None when there is no token to write."""
     if key.dim() == 3:
         key, value, slot_mapping = key[None], value[None], slot_mapping[None]
-    if key.dtype != key_cache.dtype:
-        key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-    batch, tokens, kv_heads, head_dim = key.shape
-    if value.stride() != key.stride():  # the kernel addresses both with one set of strides
-        key, value = key.contiguous(), value.contiguous()
-    assert key_cache.stride() == value_cache.stride()
-    slots = slot_mapping.reshape(-1).to(torch.int64).contiguous()
-    if slots.numel() == 0:
-        return None
-    return Launch(
-        _write_kv_kernel, (slots.numel(),),
-        (key, value, key_cache, value_cache, slots, tokens, *key.stride(), *key_cache.stride()),
-        dict(
-            BLOCK_SIZE=key_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=padded_head_dim(head_dim), HEADS_PAD=triton.next_power_of_2(kv_heads),
-        ),
-    )
+    return WriteSetup.build(key_cache, key, slot_mapping).launch(key_cache, value_cache, key, value)
+
+
+@dataclass(frozen=True)
+class WriteSetup:
+    """What the `write_kv` launches of every layer of one forward share (the slots in the
+    kernel's form, the compile-time constants): built once per forward, see `DecodeSetup`."""
+
+    slots: torch.Tensor  # int64, contiguous, one per token
+    tokens_per_row: int
+    constexprs: dict
+
+    @classmethod
+    def build(cls, key_cache, key, slot_mapping) -> WriteSetup:
+        """For new K/V shaped as `key` (`[B, T, kv_heads, head_dim]`) and caches as `key_cache`."""
+        _, tokens, kv_heads, head_dim = key.shape
+        return cls(
+            slots=slot_mapping.reshape(-1).to(torch.int64).contiguous(), tokens_per_row=tokens,
+            constexprs=dict(
+                BLOCK_SIZE=key_cache.shape[1], KV_HEADS=kv_heads, HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=padded_head_dim(head_dim), HEADS_PAD=triton.next_power_of_2(kv_heads),
+            ),
+        )
+
+    def launch(self, key_cache, value_cache, key, value) -> Launch | None:
+        """The launch of one layer; None when there is no token to write."""
+        if self.slots.numel() == 0:
+            return None
+        if key.dtype != key_cache.dtype:
+            key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+        if value.stride() != key.stride():  # the kernel addresses both with one set of strides
+            key, value = key.contiguous(), value.contiguous()
+        assert key_cache.stride() == value_cache.stride()
+        return Launch(
+            _write_kv_kernel, (self.slots.numel(),),
+            (key, value, key_cache, value_cache, self.slots, self.tokens_per_row, *key.stride(), *key_cache.stride()),
+            self.constexprs,
+        )

@@ -412,3 +412,39 @@ def test_cpu_decode_attention_pairs_query_heads_with_their_kv_heads(dtype, maske
         assert torch.equal(got, native)
     if masked:
         assert (got[2] == 0).all()
+
+
+def test_engine_on_the_triton_backend_equals_generate_alone():
+    """The engine's packed forwards (decodes of several sequences in one `paged_decode`, prefill
+    chunks each in its own `paged_prefill`) on the kernels: each request's greedy tokens equal
+    `generate` with DynamicCache for that request alone."""
+    from conftest import VOCAB
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import hf_paged_kv
+    from hf_paged_kv import Engine, KVPool
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, eos_token_id=None,
+                         initializer_range=0.3)  # head dim 64, a kernel variant; sharp attention
+    model = LlamaForCausalLM(config).eval().to(DEVICE)
+    gen = torch.Generator().manual_seed(5)
+    batch = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (5, 37, 20)]
+
+    def alone(prompt):
+        ids = torch.tensor([prompt], device=DEVICE)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=DynamicCache(),
+                             max_new_tokens=6, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    expected = [alone(p) for p in batch]
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=16), backend="triton", max_batch_tokens=24,
+                    controller=False)
+    try:
+        with engine:
+            handles = [engine.submit(p, max_new_tokens=6) for p in batch]
+            assert [h.result(timeout=300) for h in handles] == expected
+        assert engine.backend.name == "triton" and engine.stats()["max_running"] >= 2
+    finally:
+        hf_paged_kv.disable(model)
