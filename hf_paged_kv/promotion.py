@@ -21,13 +21,15 @@ def promote(pool, digest: bytes, model: str, after: int | None):
         (block,) = pool.allocate(1, after)  # may demote other blocks, and push `digest` further down
         tier = pool.tiers.has(digest)  # where the copy comes from now (counted per tier)
         pool.allocator.incref([block])  # the queued copy's reference, given back at once if none was queued
+        queued = False
         try:
             meta = pool.tiers.promote(digest, model, block, pool.block_layers)
+            queued = meta is not None and tier == "host"  # from the host a copy is queued, from disk done
         except BaseException:  # the copy failed (an I/O error, Ctrl-C): the block goes back
             pool.decref([block])
             raise
         finally:
-            if block not in pool.tiers.queued():
+            if not queued:
                 pool.allocator.decref([block])
         if meta is None:
             pool.decref([block])

@@ -685,3 +685,37 @@ def test_the_number_of_copy_operations_does_not_grow_with_the_blocks(model):
     tensors = 2 * len(model.model.layers)  # a key and a value tensor per layer
     for counts in few:  # per tensor a gather, a copy and a scatter at most
         assert sum(counts[f"aten.{name}"] for name in ("copy_", "index_select", "index_copy_")) <= 3 * tensors, counts
+
+
+def test_an_interrupted_demotion_batch_leaves_no_block_without_its_data(model, tmp_path, monkeypatch):
+    """Ctrl-C in a disk write in the middle of one eviction's batch (a full host tier passing its
+    lowest leaf on): every block the host tier lists holds its real data, a prompt asked again
+    gives DynamicCache's tokens, and the next eviction works."""
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=32, block_size=BLOCK, host_blocks=4, disk_dir=tmp_path,
+                                                  hot_threshold=None))
+    try:
+        prompt = tokens(4 * BLOCK, 1)
+        request(model, prompt)
+        request(model, tokens(4 * BLOCK, 7))  # evicted after the first prefix, in the same batch
+        write = pool.tiers.disk.write
+        writes = []
+
+        def interrupted_once(meta, layers):
+            writes.append(meta)
+            if len(writes) == 1:
+                raise KeyboardInterrupt
+            return write(meta, layers)
+
+        monkeypatch.setattr(pool.tiers.disk, "write", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            evict_all(pool)
+        assert writes, "the eviction never reached the disk tier: the test does not test the case"
+        request(model, tokens(3 * BLOCK, 9))
+        evict_all(pool)  # a later batch (its commit once resolved the interrupted batch's rows in it)
+        ids = torch.cat([prompt, tokens(3, 3)])
+        inherited, out = request(model, ids)
+        expected = greedy(model, DynamicCache(), ids[None], torch.ones(1, len(ids), dtype=torch.long), new_tokens=4)
+        assert torch.equal(out, expected), f"inherited {inherited} tokens"
+        pool.audit()
+    finally:
+        hf_paged_kv.disable(model)

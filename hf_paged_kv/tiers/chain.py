@@ -55,10 +55,12 @@ class TierChain:
             read = time.perf_counter() - start
             if self.host is not None:
                 self.host.receive(rows)
-            for i, (_, meta) in enumerate(part):
-                self._keep(meta, rows, i)
-            if self.host is not None:
-                self.host.commit(read)
+            try:
+                for i, (_, meta) in enumerate(part):
+                    self._keep(meta, rows, i)
+            finally:  # what was stored is written even when a later move raised (Ctrl-C in a disk write)
+                if self.host is not None:
+                    self.host.commit(read)
 
     def _keep(self, meta: BlockMeta, rows: list[torch.Tensor], i: int) -> None:
         """Block `i` of a batch read from the device goes to the host (its lowest leaf moving on

@@ -86,6 +86,7 @@ class HostTier:
         values, `[n, *block]` each, left alone until `commit`). Its first blocks take the free
         slots in descending order: evictions come leaf first, so a prefix then lies in ascending
         slots from its root, the order a promotion walk reads them in (one run: copied in place)."""
+        assert not self.incoming, "a demoted batch was stored but not committed"
         self.staged, count = rows, len(rows[0])
         if count > 1:
             self.free_slots[-count:] = self.free_slots[-count:][::-1]
@@ -108,9 +109,15 @@ class HostTier:
         if self.stream is not None:  # a queued promotion from a run of slots reads them in place
             self.stream.synchronize()
         slots, rows = list(self.incoming), list(self.incoming.values())
-        for host, staged in zip(self.keys + self.values, self.staged):
-            transfer.scatter(host, slots, transfer.gather(staged, rows))
-        self.incoming, self.staged = {}, []
+        try:
+            for host, staged in zip(self.keys + self.values, self.staged):
+                transfer.scatter(host, slots, transfer.gather(staged, rows))
+        except BaseException:  # slots half written leave the catalogue: never offered
+            for slot in slots:
+                self._remove(slot)
+            raise
+        finally:
+            self.incoming, self.staged = {}, []
         self.counters["copy_batches"] += 1
         self._account(len(slots), time.perf_counter() - start + read_seconds)
 
