@@ -47,6 +47,7 @@ from feasibility import forward_line
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_paged_kv.engine import SLO, Thresholds, admission, yielding
+from hf_paged_kv.engine import controller as controller_rules
 
 VARIANTS = ("on", "off", "rules-only", "no-burst", "no-triage", "no-partial-rule", "no-yielding")
 
@@ -82,7 +83,8 @@ def run_variant(variant: str, reqs: list[Req], size: dict, slo: SLO, vocab: int,
         yielding.MIN_SLACK = math.inf
     size = dict(size, burst_batch_tokens=size["batch_tokens"] if variant == "no-burst" else None)
     if variant == "rules-only":  # the limits the controller sets from its SLO, and none of its moves
-        size.update(ttft_target=slo.ttft, per_token_target=slo.per_token, burst_batch_tokens=2 * size["batch_tokens"])
+        size.update(ttft_target=slo.ttft, per_token_target=slo.per_token,
+                    burst_batch_tokens=controller_rules.BUDGET_CEILING * size["batch_tokens"])
     model = stand_in(vocab, *line)
     thresholds = Thresholds(dwell=size["dwell"], tick=size["tick"])
     serve_engine(model, [Req(r.index, r.prompt, r.max_new) for r in reqs[:4]], [], size, "warm-up", controller, slo,

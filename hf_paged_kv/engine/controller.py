@@ -57,6 +57,7 @@ from .signals import Signals
 
 log = logging.getLogger("hf_paged_kv.controller")
 STATES = ("normal", "pressure", "overload")
+BUDGET_CEILING = 2  # the batch token budget grows to this multiple of its configured value; bursts reach it
 
 
 @dataclass(frozen=True)
@@ -337,7 +338,7 @@ def engine_knobs(engine) -> list[Knob]:
     knobs = [
         knob("watermark", limits, "watermark", tightening(0.05, 0.10, 0.3)),
         knob("growth_reserve", limits, "growth_ratio_min", tightening(0.3, 0.5, 1.0)),
-        knob("max_batch_tokens", limits, "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * 2), int),
+        knob("max_batch_tokens", limits, "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * BUDGET_CEILING), int),
         knob("pin_budget", pins, "budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0),
              configured=options["pin_budget"], apply=set_pin_budget),
         knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0), configured=options["half_life"]),

@@ -77,12 +77,11 @@ class Limits:
         for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
-        if self.ttft_target is not None and not 0 < self.ttft_target < math.inf:
-            raise ValueError(f"Limits.ttft_target must be a finite number of seconds > 0 (or None: no triage), "
-                             f"got {self.ttft_target}")
-        if self.per_token_target is not None and not 0 < self.per_token_target < math.inf:
-            raise ValueError(f"Limits.per_token_target must be a finite number of seconds > 0 (or None: no pacing, "
-                             f"no yielding), got {self.per_token_target}")
+        for name, without in (("ttft_target", "no triage"), ("per_token_target", "no pacing, no yielding")):
+            value = getattr(self, name)
+            if value is not None and not 0 < value < math.inf:  # NaN fails the comparison too
+                raise ValueError(f"Limits.{name} must be a finite number of seconds > 0 (or None: {without}), "
+                                 f"got {value}")
         if self.burst_batch_tokens is not None and self.burst_batch_tokens < self.max_batch_tokens:
             raise ValueError(f"Limits.burst_batch_tokens is the most a forward may hold past max_batch_tokens: "
                              f"at least max_batch_tokens ({self.max_batch_tokens}), got {self.burst_batch_tokens} "
