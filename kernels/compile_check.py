@@ -53,11 +53,12 @@ def variants(quick: bool) -> list[Variant]:
     """Every dtype x head dim; then the group sizes, block sizes and split counts one by one."""
     dtypes = (torch.bfloat16, torch.float32) if quick else SUPPORTED_DTYPES
     head_dims = (64, 96) if quick else SUPPORTED_HEAD_DIMS
-    chosen = [Variant(dtype, head_dim, 4, 16) for dtype in dtypes for head_dim in head_dims]
+    # one split (the GPU's choice below `SPLIT_FROM` keys: the kernel writes the output) and four (split + merge)
+    chosen = [Variant(dtype, head_dim, 4, 16, splits) for dtype in dtypes for head_dim in head_dims for splits in (1, 4)]
     if not quick:
         chosen += [Variant(torch.bfloat16, 128, group, 16) for group in GROUPS if group != 4]
         chosen += [Variant(torch.bfloat16, 128, 4, size) for size in BLOCK_SIZES if size != 16]
-        chosen += [Variant(torch.bfloat16, 128, 4, 16, splits) for splits in (1, 3, 64)]
+        chosen += [Variant(torch.bfloat16, 128, 4, 16, splits) for splits in (3, 64)]
     return chosen
 
 
