@@ -128,8 +128,8 @@ def main(argv=None) -> int:
         print(f"FAILED (nothing written to docs/benchmarks.md): {error}")
         return 1
     variants = "the `--quick` variants (bf16/fp32 x head dims 64/96)" if args.smoke else (
-        "fp32/fp16/bf16 x head dims 64/96/128 (GQA group 4, block size 16, 4 decode splits), then bf16 head dim 128 "
-        "with GQA groups 1/5/7, block sizes 32/64 and 1/3/64 decode splits")
+        "fp32/fp16/bf16 x head dims 64/96/128 (GQA group 4, block size 16, 1 and 4 decode splits), then bf16 head dim 128 "
+        "with GQA groups 1/5/7, block sizes 32/64 and 3/64 decode splits; prefill on the GPU tiles of `prefill_tiles`")
     runs_said = "; ".join(f"`{r['header']}`" for r in runs)
     note_36 = ("\n\nTriton 3.6 is not installed here (`.venv/triton-3.6`, see scripts/bootstrap.sh): only the venv's "
                "Triton was checked." if missing_36 else "")
