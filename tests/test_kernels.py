@@ -7,6 +7,8 @@ NaN (so an element the kernel forgot to write is caught).
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -448,3 +450,64 @@ def test_engine_on_the_triton_backend_equals_generate_alone():
         assert engine.backend.name == "triton" and engine.stats()["max_running"] >= 2
     finally:
         hf_paged_kv.disable(model)
+
+
+def test_a_decode_layer_costs_the_host_two_launches_and_few_operators(monkeypatch):
+    """On a GPU a decode step of a small model is bound by the host's work per layer (the H200
+    run: 0.68-0.73x DynamicCache). Per layer the Triton backend launches the KV write and one
+    decode kernel (rows this short take one split) and dispatches at most a few torch operators
+    more than DynamicCache does; what the layers share is built once per forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import hf_paged_kv
+    from hf_paged_kv import KVPool, PagedCache
+    from hf_paged_kv.kernels import triton_utils
+
+    class Count(TorchDispatchMode):
+        """Operators dispatched outside kernel launches (the interpreter's own work is not counted)."""
+
+        def __init__(self):
+            super().__init__()
+            self.operators, self.launches, self.in_launch = 0, 0, False
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.operators += not self.in_launch
+            return func(*args, **(kwargs or {}))
+
+    counter = Count()
+    launch = triton_utils.Launch.run
+
+    def counted_launch(self):
+        counter.launches += 1
+        counter.in_launch = True
+        try:
+            launch(self)
+        finally:
+            counter.in_launch = False
+
+    monkeypatch.setattr(triton_utils.Launch, "run", counted_launch)
+
+    def decode_step(layers: int, paged: bool) -> tuple[int, int]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=layers,
+                                             num_attention_heads=4, num_key_value_heads=2)).eval().to(DEVICE)
+        if paged:
+            hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=16), backend="triton")
+        ids = torch.randint(3, 96, (2, 40), device=DEVICE)
+        with PagedCache() if paged else contextlib.nullcontext(DynamicCache()) as cache, torch.inference_mode():
+            model(input_ids=ids, past_key_values=cache)
+            step = torch.randint(3, 96, (2, 1), device=DEVICE)
+            counter.operators = counter.launches = 0
+            with counter:
+                model(input_ids=step, past_key_values=cache)
+        if paged:
+            hf_paged_kv.disable(model)
+        return counter.operators, counter.launches
+
+    per_layer = {}
+    for paged in (False, True):
+        (ops_2, launches_2), (ops_4, launches_4) = decode_step(2, paged), decode_step(4, paged)
+        per_layer[paged] = ((ops_4 - ops_2) / 2, (launches_4 - launches_2) / 2)
+    assert per_layer[True][1] == 2 and per_layer[False][1] == 0
+    assert per_layer[True][0] - per_layer[False][0] <= 4, per_layer
