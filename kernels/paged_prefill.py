@@ -37,11 +37,12 @@ class PrefillTiles:
 
 
 def prefill_tiles(dtype: torch.dtype, on_gpu: bool) -> PrefillTiles:
-    """The tiles `paged_prefill` uses. On the GPU, 16-bit caches take the fastest of the 24
-    candidates `bench/tune_kernels.py` timed on an H200 (docs/benchmarks.md, "Kernel tuning"):
-    64 queries x 32 keys, 4 warps, 2 stages, about as fast as 128 queries and 3 stages, which
-    spill registers at head dim 96+ (`compile_check`); it compiles without spills for sm_80 too.
-    fp32, kept exact for equality tests, and the interpreter keep 32-query tiles."""
+    """The tiles `paged_prefill` uses. On the GPU, 16-bit caches take 64 queries x 32 keys, 4
+    warps, 2 stages: of the 24 candidates `bench/tune_kernels.py` timed on an H200
+    (docs/benchmarks.md, "Kernel tuning") the fastest without a cached prefix and 8% behind the
+    fastest with one (128 queries, 3 stages, which spill registers at head dim 96+:
+    `compile_check`); it compiles without spills for sm_80 too. fp32, kept exact for equality
+    tests, and the interpreter keep 32-query tiles."""
     if on_gpu and dtype != torch.float32:
         return PrefillTiles(64, 32, num_warps=4, num_stages=2)
     return PrefillTiles(BLOCK_M, keys_per_tile(TILE, dtype))
