@@ -111,7 +111,7 @@ def choose_splits(batch: int, kv_heads: int, max_kv_len: int, device: torch.devi
     """Enough programs to fill the GPU, each with at least a few tiles of keys; but one split
     (one launch) for rows shorter than `SPLIT_FROM`: on an H200 a call's wall time with one split
     was 47-87 us at 384-2048 keys against 84-172 us split (the merge's launch and buffers cost
-    the host more than the GPU saves), while at 8192 keys splitting won, 82-147 us against
+    the host more than the GPU saves), while at 8192 keys splitting won, 82-188 us against
     236-270 us (`bench/tune_kernels.py`, docs/benchmarks.md)."""
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(max_kv_len, 4 * TILE)))
