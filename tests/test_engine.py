@@ -189,6 +189,19 @@ def test_overloaded_engine_sheds_with_retry_after():
     hf_paged_kv.disable(model)
 
 
+def raise_once_in_a_step(engine, error: BaseException, monkeypatch) -> None:
+    """`error` raised once, in the scheduler's choice of a step's batch while a request runs."""
+    continuing, armed = engine.scheduler.continuing, [True]
+
+    def continuing_failing_once(budget):
+        if armed and engine.scheduler.running:
+            armed.clear()
+            raise error
+        return continuing(budget)
+
+    monkeypatch.setattr(engine.scheduler, "continuing", continuing_failing_once)
+
+
 def test_a_step_that_fails_fails_the_requests_in_flight_and_the_engine_goes_on(monkeypatch):
     """A bug in a step (here one injected into the scheduler's choice of the next batch) must not
     kill the scheduler thread and leave every request waiting forever: the requests in flight
@@ -198,15 +211,7 @@ def test_a_step_that_fails_fails_the_requests_in_flight_and_the_engine_goes_on(m
 
     model = make_model("llama", seed=6)
     engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8))
-    continuing, armed = engine.scheduler.continuing, [True]
-
-    def continuing_failing_once(budget):
-        if armed and engine.scheduler.running:
-            armed.clear()
-            raise RuntimeError("injected fault, tenant 'bob'")
-        return continuing(budget)
-
-    monkeypatch.setattr(engine.scheduler, "continuing", continuing_failing_once)
+    raise_once_in_a_step(engine, RuntimeError("injected fault, tenant 'bob'"), monkeypatch)
     first, second = prompts([9, 12], seed=30)
     with engine:
         with pytest.raises(RequestFailed, match=r"the engine's step failed \(RuntimeError; see the server log\)") as failed:
@@ -215,6 +220,30 @@ def test_a_step_that_fails_fails_the_requests_in_flight_and_the_engine_goes_on(m
         assert engine.submit(second, max_new_tokens=6).result(timeout=60) == alone(model, second, new=6)
     assert engine.stats()["requests_failed"] == 1
     assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_loop_that_dies_fails_its_requests_instead_of_leaving_them_waiting(monkeypatch):
+    """An exception that is no `Exception` (an interrupt or SystemExit in the engine's thread)
+    ends the loop: every request queued or in flight fails at once, submit refuses new ones,
+    the blocks go back, and the engine starts again."""
+    from hf_paged_kv.engine import RequestFailed
+
+    model = make_model("llama", seed=6)
+    engine = Engine(model, pool=KVPool(num_blocks=32, block_size=8))
+    raise_once_in_a_step(engine, KeyboardInterrupt(), monkeypatch)
+    first, second = prompts([9, 12], seed=30)
+    engine.start()
+    with pytest.raises(RequestFailed, match=r"the engine's loop ended \(KeyboardInterrupt"):
+        engine.submit(first, max_new_tokens=30, eos_token_id=[]).result(timeout=60)
+    engine.thread.join(timeout=60)
+    with pytest.raises(PagedKVError, match="not running"):
+        engine.submit(second, max_new_tokens=6)
+    engine.stop()
+    assert_pool_clean(engine.pool)
+    with engine:
+        assert engine.submit(second, max_new_tokens=6).result(timeout=60) == alone(model, second, new=6)
     hf_paged_kv.disable(model)
 
 

@@ -168,12 +168,29 @@ class Engine:
 
     # ----------------------------------------------------------------- loop
     def _loop(self) -> None:
+        outcome, reason = "cancelled", None  # what becomes of the requests still here when the loop ends
+        try:
+            self._serve()
+        except BaseException as error:  # the loop dies (SystemExit, an interrupt sent to its thread): none may wait on it
+            with self.gate:
+                self.accepting = False
+            log.exception("the engine's loop ended: every request queued, waiting or running fails")
+            outcome, reason = "failed", f"the engine's loop ended ({type(error).__name__}; see the server log)"
+            raise
+        finally:
+            try:
+                self._intake()  # requests queued just before stop() stopped accepting
+            finally:
+                self.outcomes.end_all(outcome, reason)
+                self.load.stop()
+
+    def _serve(self) -> None:
         idle = True
         # stop is checked first: a fault that repeats in intake or tick must not keep stop() waiting
         while self.accepting or (self.draining and self._busy()):
             try:
                 self._intake()
-                self._tick()
+                self.load.tick_guarded()
                 if self.step():
                     idle = False
                     continue
@@ -186,20 +203,6 @@ class Engine:
                 idle = True
             self.wakeup.wait(IDLE_WAIT)
             self.wakeup.clear()
-        try:
-            self._intake()  # requests queued just before stop() stopped accepting
-        finally:
-            self.outcomes.end_all("cancelled")
-            self.load.stop()
-
-    def _tick(self) -> None:
-        """The load controller's tick. A fault in it is counted, logged once and fails no request:
-        the engine goes on with the knobs as they are."""
-        try:
-            self.load.tick()
-        except Exception:  # noqa: BLE001 - the controller adapts the service; it must not end it
-            if self.metrics.controller_fault():  # counted in stats()["controller_faults"]
-                log.exception("the load controller's tick failed; the engine goes on with its knobs as they are")
 
     def _busy(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()

@@ -9,6 +9,7 @@ ones.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import numpy as np
@@ -17,6 +18,8 @@ from ..errors import Overloaded
 from .controller import SLO, STATES, Controller, Thresholds, engine_knobs
 from .request import Request
 from .signals import Signals
+
+log = logging.getLogger("hf_paged_kv.engine")
 
 
 class LoadControl:
@@ -143,6 +146,15 @@ class LoadControl:
             self.counts["requests_within_slo"] += 1
 
     # ------------------------------------------------------------- tick
+    def tick_guarded(self) -> None:
+        """`tick` for the engine's loop: a fault in it is counted, logged once and fails no
+        request: the engine goes on with the knobs as they are."""
+        try:
+            self.tick()
+        except Exception:  # noqa: BLE001 - the controller adapts the service; it must not end it
+            if self.engine.metrics.controller_fault():  # counted in stats()["controller_faults"]
+                log.exception("the load controller's tick failed; the engine goes on with its knobs as they are")
+
     def tick(self) -> None:
         """Sample the levels and let the controller decide; then demote ahead of need and turn
         away waiting requests of a shed priority."""
