@@ -22,6 +22,12 @@ from ..step import to_device
 from .torch_backend import TorchBackend
 
 
+def row_tensors(plan, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The plan's block tables, sequence lengths and query positions on `device` (each copied
+    there once per forward: `plan.on`)."""
+    return tuple(plan.on(name, device) for name in ("block_tables", "kv_lens", "q_pos"))
+
+
 class TritonBackend:
     name = "triton"
 
@@ -53,7 +59,7 @@ class TritonBackend:
             batch, _, width, _ = query.shape
             if width == 1:
                 return self._decode(query[:, :, 0], caches, plan, scale, window, softcap)[:, :, None], None
-            tables, kv_lens, q_pos = (plan.on(name, query.device) for name in ("block_tables", "kv_lens", "q_pos"))
+            tables, kv_lens, q_pos = row_tensors(plan, query.device)
             return paged_prefill(query, *caches, tables, kv_lens, q_pos.view(batch, width), scale, window,
                                  softcap=softcap), None
         return self._packed(query, caches, plan, scale, window, softcap), None
@@ -64,7 +70,7 @@ class TritonBackend:
         memo = ("triton-decode", query.device, query.shape, query.stride(), query.dtype, caches[0].shape,
                 caches[0].stride(), window, softcap, rows is None)
         if memo not in plan.memo:
-            tables, kv_lens, q_pos = (plan.on(name, query.device) for name in ("block_tables", "kv_lens", "q_pos"))
+            tables, kv_lens, q_pos = row_tensors(plan, query.device)
             if rows is not None:
                 query_rows, sequences = rows
                 tables, kv_lens, q_pos = tables[sequences], kv_lens[sequences], q_pos[query_rows]
@@ -88,7 +94,7 @@ class TritonBackend:
             rows = plan.memo[key]
             out[rows[0]] = self._decode(flat[rows[0]], caches, plan, scale, window, softcap, rows)
         if len(chunks):
-            tables, kv_lens, q_pos = (plan.on(name, query.device) for name in ("block_tables", "kv_lens", "q_pos"))
+            tables, kv_lens, q_pos = row_tensors(plan, query.device)
         for sequence in chunks.tolist():
             lo, hi = int(plan.q_start[sequence]), int(plan.q_start[sequence + 1])
             chunk = flat[lo:hi].transpose(0, 1)[None]
