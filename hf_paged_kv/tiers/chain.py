@@ -101,9 +101,10 @@ class TierChain:
         """Device blocks whose promotion from the host is queued: not to be read before `flush`."""
         return self.host.queued_blocks() if self.host is not None else []
 
-    def flush(self, tensors: list[torch.Tensor]) -> list[int]:
-        """Copy the queued promotions into the pool (`tensors`: keys then values); returns their blocks."""
-        return self.host.flush(tensors) if self.host is not None else []
+    def flush(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the queued promotions into the pool (`tensors`: keys then values)."""
+        if self.host is not None:
+            self.host.flush(tensors)
 
     def note_idle(self, blocks: list[int]) -> None:
         if self.host is not None:

@@ -167,15 +167,14 @@ class HostTier:
     def queued_blocks(self) -> list[int]:
         return [block for _, block in self.queue]
 
-    def flush(self, targets: list[torch.Tensor]) -> list[int]:
+    def flush(self, targets: list[torch.Tensor]) -> None:
         """Copy every queued block into its device block (`targets`: the pool's tensors, keys then
-        values, as `keys + values` here) in one batch per `transfer.CHUNK_BYTES`; returns the
-        blocks. On CUDA the copies run on the side stream once the last use of each target block
+        values, as `keys + values` here) in one batch per `transfer.CHUNK_BYTES`. On CUDA the copies run on the side stream once the last use of each target block
         is done, and the forward's stream waits for them on the GPU. The slots are free again
         afterwards, even when a copy raised."""
         queue, self.queue = self.queue, []
         if not queue:
-            return []
+            return
         start = time.perf_counter()
         try:
             if self.stream is None:
@@ -189,7 +188,6 @@ class HostTier:
                 torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
             self.free_slots.extend(slot for slot, _ in reversed(queue))  # taken again in this order: a run stays one
         self._account(len(queue), time.perf_counter() - start)
-        return [block for _, block in queue]
 
     def _copy_in(self, queue: list[tuple[int, int]], targets: list[torch.Tensor]) -> None:
         for part in transfer.chunks(queue, self.bytes_per_block()):
