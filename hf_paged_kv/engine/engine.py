@@ -282,7 +282,7 @@ class Engine:
         return self.pool.stats() | dict(self.metrics.counters) | self.load.stats() | {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
-            "growth_ratio": self.scheduler.growth_ratio,
+            "growth_ratio": self.scheduler.growth.ratio,
         }
 
     def advise_block_size(self, shared_prefix_lengths=()) -> Advice:

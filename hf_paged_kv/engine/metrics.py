@@ -42,6 +42,7 @@ class EngineMetrics:
         self.controller_state = gauge("controller_state", "Load controller state (1 for the current one)", ["state"])
         self.goodput = gauge("goodput_requests_per_second", "Requests within the SLO targets per second since the engine's first start")
         self.availability = gauge("availability_ratio", "Requests within the SLO targets / requests submitted")
+        self.growth = gauge("growth_ratio", "Share of the running sequences' remaining max_new_tokens that admission keeps free")
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
         for outcome in OUTCOMES:  # every series from the start, at 0: a rate() or an alert on it works at once
             self.requests.labels(outcome)
@@ -134,6 +135,7 @@ class EngineMetrics:
         self.host_blocks.set(stats.get("host_blocks_used", 0))
         self.goodput.set(stats["goodput"])
         self.availability.set(stats["availability"])
+        self.growth.set(stats["growth_ratio"])
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()

@@ -48,6 +48,7 @@ class Outcomes:
             engine.metrics.ended(request, outcome)
             if outcome == "finished":
                 engine.load.finished(request)
+                engine.scheduler.finished(request)
                 engine.admission.lengths.append(len(request.prompt) + len(request.generated))
         finally:  # whatever failed above, it has ended and its reader must not wait forever
             request.outcome = request.outcome or outcome

@@ -4,9 +4,10 @@ Every step takes, within a token budget: the decode step of every running sequen
 next chunk of the prefills in progress, then new requests. A new request is admitted only if
 the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
 sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
-which decays while memory holds and is reset by a preemption (SGLang's rule), each request's
-counted up to `Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool – and never in a
-step that preempted. Waiting requests are admitted by priority, then shortest expected prompt
+which decays while memory holds and is reset by a preemption (SGLang's rule) and is capped by
+the share that finished requests did generate (see `growth`), each request's counted up to
+`Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool – and never in a step that
+preempted. Waiting requests are admitted by priority, then shortest expected prompt
 first with aging, and, given a time-to-first-token target, those that can still meet it before
 those that cannot, and in a forward that already ends prompts no other prompt starts with a
 partial chunk that would delay their first tokens by more than a tenth of the target (see
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from . import yielding
+from .growth import GrowthShare
 from .request import Request
 
 
@@ -61,6 +63,9 @@ class Limits:
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
     growth_ratio_decay: float = 0.002  # per step while nothing is preempted
+    # cap the share by the mean share of their allowance that finished requests generated (see
+    # growth); False: SGLang's decaying share alone
+    growth_from_outputs: bool = True
     # the most of a request's remaining max_new_tokens the reserve counts (as SGLang clips it): a
     # server's default of "the rest of the context" would reserve thousands of tokens per request
     # for outputs that mostly stop early; a sequence that does outgrow its reserve preempts another.
@@ -93,7 +98,7 @@ class Scheduler:
         self.pool, self.limits = pool, limits
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.growth_ratio = limits.growth_ratio_init
+        self.growth = GrowthShare(limits)
         self.inflight: dict[bytes, Request] = {}  # digests of blocks a running prefill will index
 
     # ------------------------------------------------------------ queues
@@ -131,14 +136,24 @@ class Scheduler:
         return int(sum(self._growth(request) for request in self.running)) + len(self.running)
 
     def _growth(self, request: Request) -> float:
-        """Blocks the request may still need: its unfed tokens, and `growth_ratio` of what it may
-        still generate, counted up to `Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool
-        (more would leave room for fewer than eight requests' reserves: a static reservation)."""
-        to_generate = request.params.max_new_tokens - len(request.generated)
-        if self.limits.growth_clip is not None:
-            pool_tokens = self.pool.num_blocks * self.pool.block_size
-            to_generate = min(to_generate, self.limits.growth_clip, int(MAX_GROWTH_SHARE * pool_tokens))
-        return (request.remaining + self.growth_ratio * to_generate) / self.pool.block_size
+        """Blocks the request may still need: its unfed tokens, and the growth share of what it
+        may still generate."""
+        to_generate = self.clipped(request.params.max_new_tokens - len(request.generated))
+        return (request.remaining + self.growth.ratio * to_generate) / self.pool.block_size
+
+    def clipped(self, tokens: int) -> int:
+        """Tokens yet to generate as the reserve counts them: at most `Limits.growth_clip` and
+        `MAX_GROWTH_SHARE` of the pool (more would leave room for fewer than eight requests'
+        reserves: a static reservation)."""
+        if self.limits.growth_clip is None:
+            return tokens
+        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        return min(tokens, self.limits.growth_clip, int(MAX_GROWTH_SHARE * pool_tokens))
+
+    def finished(self, request: Request) -> None:
+        """A request finished: the share of its allowance it generated goes into the estimate."""
+        allowance = self.clipped(request.params.max_new_tokens)
+        self.growth.finished(min(1.0, len(request.generated) / allowance))
 
     def shortfall(self, request: Request, inherited_blocks: int) -> int:
         """Blocks that memory lacks for the request's uncached tokens and the running ones'
@@ -187,7 +202,7 @@ class Scheduler:
         return any(d in self.inflight for d in digests)
 
     def decay(self) -> None:
-        self.growth_ratio = max(self.limits.growth_ratio_min, self.growth_ratio - self.limits.growth_ratio_decay)
+        self.growth.step()
 
     # ----------------------------------------------------------- memory
     def grow(self, batch: list[tuple[Request, int]], preempt) -> list[tuple[Request, int]]:
@@ -202,7 +217,7 @@ class Scheduler:
                 if victim is None:
                     raise
                 preempt(victim)
-                self.growth_ratio = self.limits.growth_ratio_init
+                self.growth.preempted()
                 batch = [(r, n) for r, n in batch if r is not victim]
         return batch
 

@@ -1,0 +1,73 @@
+"""The share of their remaining `max_new_tokens` that admission keeps free for running sequences.
+
+SGLang's rule, which the scheduler follows: the share starts at `Limits.growth_ratio_init`
+(0.7), decays by `growth_ratio_decay` per step while no sequence is preempted, never below
+`growth_ratio_min`, and a preemption resets it. Its start is a guess made before any output is
+seen, and a poor one for clients that ask for far more tokens than they use: in a burst of 64
+requests allowed 256-1024 tokens that stopped after 120 on average (SmolLM2, a 500-block pool),
+63-89 % of the pool stayed free while requests waited, held back for growth that never came,
+and at most 16 sequences ran at once (docs/benchmarks.md, "Capacity").
+
+So the share is also capped by what finished requests did use: the mean share of their
+(clipped) allowance that the last `WINDOW` finished requests generated – the expected growth of
+a running set, which is what the reserve is for – once `TRUST_AFTER` requests have finished
+since the last preemption. A preemption says the reserve fell short: the share goes back to
+SGLang's rule until fresh evidence comes in. `Limits.growth_from_outputs=False` keeps
+SGLang's rule alone.
+
+    share = GrowthShare(Limits())
+    share.ratio                 # 0.7: nothing seen yet
+    for _ in range(8):
+        share.finished(0.15)    # each finished request generated 15 % of its allowance
+    share.ratio                 # 0.15
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .scheduler import Limits
+
+WINDOW = 128  # finished requests whose shares the estimate averages
+TRUST_AFTER = 8  # finished requests since the last preemption before the estimate caps the share
+
+
+class GrowthShare:
+    def __init__(self, limits: Limits):
+        self.limits = limits
+        self.rule = limits.growth_ratio_init  # SGLang's decaying share
+        self.used: deque[float] = deque(maxlen=WINDOW)
+        self.since_preemption = 0
+
+    @property
+    def ratio(self) -> float:
+        """The share the reserve counts now: SGLang's, capped by the estimate, at least the least."""
+        estimate = self.estimate
+        share = self.rule if estimate is None else min(self.rule, estimate)
+        return max(self.limits.growth_ratio_min, share)
+
+    @property
+    def estimate(self) -> float | None:
+        """The mean share of their allowance that recent finished requests generated; None until
+        it is trusted (or when `Limits.growth_from_outputs` is off)."""
+        if not self.limits.growth_from_outputs or self.since_preemption < TRUST_AFTER:
+            return None
+        return statistics.fmean(self.used)
+
+    def step(self) -> None:
+        """A step ran without preempting: SGLang's share decays."""
+        self.rule = max(self.limits.growth_ratio_min, self.rule - self.limits.growth_ratio_decay)
+
+    def preempted(self) -> None:
+        self.rule = self.limits.growth_ratio_init
+        self.since_preemption = 0
+
+    def finished(self, share: float) -> None:
+        """A request finished having generated `share` (in [0, 1]) of its allowance."""
+        if not 0 <= share <= 1:
+            raise ValueError(f"a share of the allowance is in [0, 1], got {share}")
+        self.used.append(share)
+        self.since_preemption += 1
