@@ -465,12 +465,12 @@ def serve_engine(model, reqs: list[Req], stop: list[int], size: dict, name: str 
                  controller: bool = False, slo: SLO | None = None, thresholds: Thresholds | None = None,
                  deadline_after: float | None = None, period: float = 0.05) -> Run:
     """The engine on a fresh pool of `size["num_blocks"]` (and a host tier of `size["host_blocks"]`,
-    if given), the requests submitted in real time."""
+    if given; other `Limits` in `size["limits"]`), the requests submitted in real time."""
     hf_paged_kv.disable(model)
     pool = KVPool(num_blocks=size["num_blocks"], block_size=size["block_size"], host_blocks=size.get("host_blocks"))
     limits = Limits(max_running=size["max_running"], max_batch_tokens=size["batch_tokens"],
                     burst_batch_tokens=size.get("burst_batch_tokens"), ttft_target=size.get("ttft_target"),
-                    per_token_target=size.get("per_token_target"))
+                    per_token_target=size.get("per_token_target"), **size.get("limits", {}))
     engine = Engine(model, pool=pool, limits=limits, controller=controller, slo=slo, thresholds=thresholds)
     last = max(r.arrival for r in reqs)
     forwards = []  # (tokens fed, logits kept) of each of the engine's forwards

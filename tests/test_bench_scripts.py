@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table", "bench_block_size",
-           "emulate_load"]
+           "emulate_load", "bench_capacity"]
 NOT_WRITTEN = "(smoke run: docs/benchmarks.md not written)"
 
 
@@ -72,9 +72,11 @@ EXPECTED = {
     "bench_block_size": ["### Block size", "memory in partial blocks", "system prompt recomputed",
                          "the advisor's `block_overhead`", "Decision: a live pool keeps its block size"],
     "emulate_load": ["### Emulated tidal load", "forwards paced to", "Not bench_load's figures", "| on |", "| off |"],
+    "bench_capacity": ["### Capacity: sequences at once in the same memory", "| static reservation |",
+                       "| ceiling (any system) |", "| engine, SGLang's rule alone |", "| transformers CB |"],
 }
 TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2,
-               "bench_block_size": 1, "emulate_load": 1}
+               "bench_block_size": 1, "emulate_load": 1, "bench_capacity": 1}
 
 
 @pytest.mark.slow
@@ -89,7 +91,7 @@ def test_smoke_run_prints_its_tables_and_leaves_the_docs_alone(runs, script):
     assert len(found) == TABLE_COUNT[script], [t[0] for t in found]
     for table in found:
         assert len(table) >= 2 and all(len(row) == len(table[0]) for row in table), table  # well-formed rows
-    if script != "compile_table":
+    if script not in ("compile_table", "bench_capacity"):  # bench_capacity: rounds of a setting, see check_figures
         assert stdout.count("Method: median of 3 runs") + stdout.count("Method: median of 5 runs") >= 1
         assert "FAILED" not in stdout
     assert NOT_WRITTEN in stdout
@@ -119,6 +121,11 @@ def check_figures(script: str, out: str) -> None:
         rows = tables(out)[0][1:]
         assert [row[0] for row in rows] == ["on", "off"]
         assert all(re.fullmatch(r"\d+ / \d+ / \d+ of \d+", row[1]) for row in rows), rows  # every run listed
+    elif script == "bench_capacity":
+        assert "Method: 1 round after one untimed warm-up run" in out and "FAILED" not in out
+        systems = [row for row in tables(out)[0][1:] if row[1] not in ("static reservation", "ceiling (any system)")]
+        assert len(systems) == 6 and all(row[-1] == "yes" for row in systems if row[1].startswith("engine")), systems
+        assert all(re.fullmatch(r"\d+ \(\d+\)", row[2]) and re.fullmatch(r"\d+\.\dx", row[3]) for row in systems)
     elif script == "compile_table":
         summary = tables(out)[0]
         assert [row[0] for row in summary[1:]] == ["`paged_decode` split", "`paged_decode` merge", "`paged_prefill`",
