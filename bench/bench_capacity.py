@@ -1,7 +1,7 @@
 """How many sequences run at once in the same KV memory (SmolLM2-135M, fp32; CPU, or CUDA when
 there is one): the engine against a static reservation and transformers' continuous batching.
 
-    python bench/bench_capacity.py                 # 2 rounds, about half an hour on 2 CPU cores
+    python bench/bench_capacity.py                 # 3 rounds, about 45 minutes on 2 CPU cores
     python bench/bench_capacity.py --smoke         # tiny random Llama, a few seconds, prints only
 
 Workload: bench_engine's 64 requests of real text (a third sharing a system prompt), all
@@ -76,7 +76,7 @@ def main() -> int:
     parser = arguments(__doc__.split("\n\n")[0], repeats=None)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when there is one)")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.smoke else 2)
+    args.repeats = args.repeats or (1 if args.smoke else 3)
     check_repeats(args)
     scale = "smoke" if args.smoke else "full"
     size = dict(SMOKE if args.smoke else FULL, num_blocks=POOL_BLOCKS[scale])
