@@ -55,7 +55,7 @@ from common import Checks, arguments, check_repeats, markdown_table, mib, model_
 import hf_paged_kv
 from hf_paged_kv import KVPool
 
-CAPS = {"full": [(16, 64), (256, 1024)], "smoke": [(4, 12), (24, 64)]}
+CAPS = {"full": [FULL["new"], (256, 1024)], "smoke": [SMOKE["new"], (24, 64)]}
 POOL_BLOCKS = {"full": 245, "smoke": 60}  # bench_engine's pools (30 % / 35 % of its static reservation)
 SYSTEMS = ["engine", "engine, SGLang's rule alone", "transformers CB"]
 
@@ -66,8 +66,11 @@ def static_fit(reqs, num_blocks: int, block_size: int) -> int:
     return int(np.searchsorted(needs, num_blocks, side="right"))
 
 
-def with_caps(base, caps: tuple[int, int], seed: int = 0):
-    """The same requests with max_new_tokens drawn uniformly from `caps` (seeded)."""
+def with_caps(base, caps: tuple[int, int], size: dict, seed: int = 0):
+    """The same requests with max_new_tokens drawn uniformly from `caps` (seeded); bench_engine's
+    own draw for its caps."""
+    if caps == size["new"]:
+        return base
     news = np.random.default_rng(seed).integers(caps[0], caps[1] + 1, len(base))
     return [Req(r.index, r.prompt, int(n), r.arrival, r.priority, r.shared, r.group) for r, n in zip(base, news)]
 
@@ -84,7 +87,7 @@ def main() -> int:
     note(f"loading {model_name(args.smoke)} twice (the engine's copy and a never-enabled copy)")
     plain, model, tokenizer, pad_id, stop = load_pair(args.smoke, pick_device(args.device))
     base = poisson(workload(tokenizer, size), float("inf"), 0)
-    settings = {caps: with_caps(base, caps) for caps in CAPS[scale]}
+    settings = {caps: with_caps(base, caps, size) for caps in CAPS[scale]}
 
     note("reference: per-request greedy generate with the larger cap")
     longest = settings[CAPS[scale][-1]]
