@@ -4,9 +4,9 @@ SGLang's rule, which the scheduler follows: the share starts at `Limits.growth_r
 (0.7), decays by `growth_ratio_decay` per step while no sequence is preempted, never below
 `growth_ratio_min`, and a preemption resets it. Its start is a guess made before any output is
 seen, and a poor one for clients that ask for far more tokens than they use: in a burst of 64
-requests allowed 256-1024 tokens that stopped after 120 on average (SmolLM2, a 500-block pool),
-63-89 % of the pool stayed free while requests waited, held back for growth that never came,
-and at most 16 sequences ran at once (docs/benchmarks.md, "Capacity").
+SmolLM2 requests allowed 256-1024 tokens that stopped after 130 on average, the rule alone ran
+at most 11 at once in a pool where a static reservation fits 9, and the estimate 28
+(docs/benchmarks.md, "Capacity").
 
 So the share is also capped by what finished requests did use: the mean share of their
 (clipped) allowance that the last `WINDOW` finished requests generated – the expected growth of
