@@ -10,9 +10,11 @@ at most 11 at once in a pool where a static reservation fits 9, and the estimate
 
 So the share is also capped by what finished requests did use: the mean share of their
 (clipped) allowance that the last `WINDOW` finished requests generated – the expected growth of
-a running set, which is what the reserve is for – once `TRUST_AFTER` requests have finished
-since the last preemption. A preemption says the reserve fell short: the share goes back to
-SGLang's rule until fresh evidence comes in. `Limits.growth_from_outputs=False` keeps
+a request that has just started – once `TRUST_AFTER` requests have finished since the last
+preemption. A running set that long requests dominate grows by more than that; when the reserve
+falls short, a sequence is preempted (and resumes with the same output), and the share goes back
+to SGLang's rule until fresh evidence comes in (at the caps above: 6 preemptions against the
+rule's 2). `Limits.growth_from_outputs=False` keeps
 SGLang's rule alone.
 
     share = GrowthShare(Limits())
