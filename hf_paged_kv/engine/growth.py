@@ -42,6 +42,7 @@ class GrowthShare:
         self.limits = limits
         self.rule = limits.growth_ratio_init  # SGLang's decaying share
         self.used: deque[float] = deque(maxlen=WINDOW)
+        self.mean_used = 0.0  # of `used`, kept at each finish: the reserve reads it per running request
         self.since_preemption = 0
 
     @property
@@ -57,7 +58,7 @@ class GrowthShare:
         it is trusted (or when `Limits.growth_from_outputs` is off)."""
         if not self.limits.growth_from_outputs or self.since_preemption < TRUST_AFTER:
             return None
-        return statistics.fmean(self.used)
+        return self.mean_used
 
     def step(self) -> None:
         """A step ran without preempting: SGLang's share decays."""
@@ -72,4 +73,5 @@ class GrowthShare:
         if not 0 <= share <= 1:
             raise ValueError(f"a share of the allowance is in [0, 1], got {share}")
         self.used.append(share)
+        self.mean_used = statistics.fmean(self.used)
         self.since_preemption += 1
