@@ -39,9 +39,11 @@ from bench_engine import (
     SMOKE,
     Req,
     blocks_for,
+    bytes_per_block,
     concurrency_ceiling,
     cut,
     load_pair,
+    most_that_fit,
     pick_device,
     poisson,
     serve_cb,
@@ -52,9 +54,6 @@ from bench_engine import (
 )
 from common import Checks, arguments, check_repeats, markdown_table, mib, model_name, note
 
-import hf_paged_kv
-from hf_paged_kv import KVPool
-
 CAPS = {"full": [FULL["new"], (256, 1024)], "smoke": [SMOKE["new"], (24, 64)]}
 POOL_BLOCKS = {"full": 245, "smoke": 60}  # bench_engine's pools (30 % / 35 % of its static reservation)
 SYSTEMS = ["engine", "engine, SGLang's rule alone", "transformers CB"]
@@ -62,8 +61,7 @@ SYSTEMS = ["engine", "engine, SGLang's rule alone", "transformers CB"]
 
 def static_fit(reqs, num_blocks: int, block_size: int) -> int:
     """The most requests whose prompt + max_new_tokens reservations fit at once, smallest first."""
-    needs = np.cumsum(sorted(blocks_for(len(r.prompt) + r.max_new, block_size) for r in reqs))
-    return int(np.searchsorted(needs, num_blocks, side="right"))
+    return most_that_fit([blocks_for(len(r.prompt) + r.max_new, block_size) for r in reqs], num_blocks)
 
 
 def with_caps(base, caps: tuple[int, int], size: dict, seed: int = 0):
@@ -113,9 +111,7 @@ def main() -> int:
 
     checks = Checks()
     checks.expect(all(t is not None for t in reference_long), "the reference generate failed a request")
-    hf_paged_kv.enable(model, pool=KVPool(num_blocks=size["num_blocks"], block_size=bs))
-    per_block = hf_paged_kv.pool_of(model).bytes_per_block
-    hf_paged_kv.disable(model)
+    per_block = bytes_per_block(model, size["num_blocks"], bs)
     rows, notes = [], []
     for caps, reqs in settings.items():
         reference = [cut(tokens, stop, r.max_new) for tokens, r in zip(reference_long, reqs)]

@@ -210,6 +210,11 @@ def blocks_for(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
+def most_that_fit(needs: list[int], budget: int) -> int:
+    """How many of `needs` (blocks each) fit in `budget` blocks at once, smallest first."""
+    return int(np.searchsorted(np.cumsum(sorted(needs)), budget, side="right"))
+
+
 def concurrency_ceiling(reqs: list[Req], num_blocks: int, block_size: int) -> int:
     """The most requests whose KV fits in `num_blocks` at once, each holding at least its prompt
     and its first generated token, the shared prefix's full blocks stored once: an upper bound
@@ -217,11 +222,18 @@ def concurrency_ceiling(reqs: list[Req], num_blocks: int, block_size: int) -> in
     best = 0
     for share in (False, True):
         prefix = max((r.shared // block_size for r in reqs if r.group), default=0) if share else 0
-        needs = sorted(blocks_for(len(r.prompt) + 1, block_size) - (r.shared // block_size if share and r.group else 0)
-                       for r in reqs)
-        fitted = int(np.searchsorted(np.cumsum(needs), num_blocks - prefix, side="right"))
-        best = max(best, fitted)
+        needs = [blocks_for(len(r.prompt) + 1, block_size) - (r.shared // block_size if share and r.group else 0)
+                 for r in reqs]
+        best = max(best, most_that_fit(needs, num_blocks - prefix))
     return best
+
+
+def bytes_per_block(model, num_blocks: int, block_size: int) -> int:
+    """The KV bytes of one block of `model` (enabled on a pool of that size, then disabled)."""
+    hf_paged_kv.enable(model, pool=KVPool(num_blocks=num_blocks, block_size=block_size))
+    per_block = hf_paged_kv.pool_of(model).bytes_per_block
+    hf_paged_kv.disable(model)
+    return per_block
 
 
 def cut(tokens: list[int], stop: list[int], limit: int) -> list[int]:
@@ -727,9 +739,7 @@ def main() -> int:
     n, bs = len(base), size["block_size"]
     static_blocks = [blocks_for(len(r.prompt) + r.max_new, bs) for r in base]
     size["num_blocks"] = max(math.ceil(size["pool_fraction"] * sum(static_blocks)), max(static_blocks) + 2)
-    hf_paged_kv.enable(model, pool=KVPool(num_blocks=size["num_blocks"], block_size=bs))
-    per_block = hf_paged_kv.pool_of(model).bytes_per_block
-    hf_paged_kv.disable(model)
+    per_block = bytes_per_block(model, size["num_blocks"], bs)
     budget_tokens = size["num_blocks"] * bs
     widest = max(len(r.prompt) for r in base) + max(r.max_new for r in base)
     micro = max(1, min(size["max_micro"], budget_tokens // widest))
