@@ -169,9 +169,10 @@ class HostTier:
 
     def flush(self, targets: list[torch.Tensor]) -> None:
         """Copy every queued block into its device block (`targets`: the pool's tensors, keys then
-        values, as `keys + values` here) in one batch per `transfer.CHUNK_BYTES`. On CUDA the copies run on the side stream once the last use of each target block
-        is done, and the forward's stream waits for them on the GPU. The slots are free again
-        afterwards, even when a copy raised."""
+        values, as `keys + values` here) in one batch per `transfer.CHUNK_BYTES`. On CUDA the
+        copies run on the side stream once the last use of each target block is done, and the
+        forward's stream waits for them on the GPU. The slots are free again afterwards, even
+        when a copy raised."""
         queue, self.queue = self.queue, []
         if not queue:
             return
