@@ -3,6 +3,7 @@ scheduling rules compared with less noise than real runs, several runs at once.
 
     python bench/emulate_load.py                      # controller on and off, 3 runs each, 2 at a time
     python bench/emulate_load.py --variants on off no-burst no-triage no-partial-rule no-yielding
+    python bench/emulate_load.py --slo-ttft 0.6 0.8 1.0 1.3 --repeats 3 --parallel 4   # availability by target
     python bench/emulate_load.py --smoke              # tiny sizes, a few seconds, prints only
 
 Real runs of bench_load move by about 4 of its 99 requests from one to the next (the machine's speed
@@ -26,6 +27,11 @@ off: `no-burst` (no forward past `max_batch_tokens`: `Limits.burst_batch_tokens`
 `no-triage` (`admission.LATE_YIELD = 0`: requests past their target do not yield),
 `no-partial-rule` (`admission.PARTIAL_DELAY` infinite: partial chunks never wait), `no-yielding`
 (`yielding.MIN_SLACK` infinite: no decode yields its memory).
+
+With several `--slo-ttft` targets, every variant runs at each of them (the engine and its controller
+configured with that target) and the table goes to a section of its own: how availability within
+targets moves with the time-to-first-token target, for example where each variant first reaches
+99.5%.
 """
 
 from __future__ import annotations
@@ -107,7 +113,8 @@ def main() -> int:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=["on", "off"])
     parser.add_argument("--parallel", type=int, default=2, help="runs side by side (each its own process)")
-    parser.add_argument("--slo-ttft", type=float, help="time-to-first-token target, s (default: calibrated)")
+    parser.add_argument("--slo-ttft", type=float, nargs="+",
+                        help="time-to-first-token target(s), s (default: calibrated); several: each variant at each")
     parser.add_argument("--slo-per-token", type=float, help="per-token latency target, s (default: calibrated)")
     args = parser.parse_args()
     size = dict(bench_load.SMOKE if args.smoke else bench_load.FULL)
@@ -121,49 +128,58 @@ def main() -> int:
     calibration = None
     if args.slo_ttft is None or args.slo_per_token is None:
         calibration = bench_load.calibrate(model, reqs, stop, size)
-    slo = SLO(ttft=args.slo_ttft or bench_load.round2(5 * calibration["ttft_alone"]),
-              per_token=args.slo_per_token or bench_load.round2(3 * calibration["per_token_together"]))
+    per_token_target = args.slo_per_token or bench_load.round2(3 * calibration["per_token_together"])
+    slos = [SLO(ttft=ttft, per_token=per_token_target)
+            for ttft in args.slo_ttft or [bench_load.round2(5 * calibration["ttft_alone"])]]
+    sweep = len(slos) > 1
     sizes = sorted({1, size["batch_tokens"] // 8, size["batch_tokens"] // 2, size["batch_tokens"]})
     line = forward_line(lambda n: model_alone(model, reqs, 0, [(n, 1)]), sizes)
-    note(f"SLO: ttft {slo.ttft} s, per-token {slo.per_token} s; forwards paced to {line[0] * 1e3:.0f} ms + "
-         f"{line[1] * 1e3:.2f} ms x n")
+    note(f"SLO: ttft {', '.join(f'{slo.ttft:g}' for slo in slos)} s, per-token {per_token_target} s; forwards paced "
+         f"to {line[0] * 1e3:.0f} ms + {line[1] * 1e3:.2f} ms x n")
     note(f"the number of tokens {model_name(args.smoke)} gives each request (per-request greedy generate, untimed)")
     lengths = [len(o.tokens) for o in serve_generate(model, poisson(reqs, float("inf"), 0), 1, stop, pad_id,
                                                      "lengths").outcomes]
     trace = [Req(r.index, r.prompt, n, r.arrival, r.priority, r.shared, r.group) for r, n in zip(reqs, lengths)]
-    jobs = [v for _ in range(args.repeats) for v in args.variants]
+    jobs = [(slo, v) for _ in range(args.repeats) for slo in slos for v in args.variants]
     note(f"{len(jobs)} runs of {size['minutes'] * 60:.0f} s of trace, {args.parallel} at a time")
     context = multiprocessing.get_context("spawn")
     # a fresh process per run: a variant's module constants must not carry into the next run
     with ProcessPoolExecutor(args.parallel, mp_context=context, max_tasks_per_child=1) as pool:
-        futures = [pool.submit(run_variant, v, trace, size, slo, model.config.vocab_size, line) for v in jobs]
+        futures = [pool.submit(run_variant, v, trace, size, slo, model.config.vocab_size, line) for slo, v in jobs]
         results = [f.result() for f in futures]
-    runs = {v: [r for job, r in zip(jobs, results) if job == v] for v in args.variants}
+    runs = {(slo, v): [r for job, r in zip(jobs, results) if job == (slo, v)] for slo in slos for v in args.variants}
     checks = Checks()
-    for v, rs in runs.items():
-        checks.expect(all(r["lost"] == 0 and r["leaked"] == 0 for r in rs), f"{v}: a request lost or a block leaked")
-        checks.expect(all(r["generated_as_asked"] for r in rs), f"{v}: a request generated another number of tokens")
-    header = ["variant", "within targets, every run", "median", "first tokens late", "per-token late",
+    for (slo, v), rs in runs.items():
+        checks.expect(all(r["lost"] == 0 and r["leaked"] == 0 for r in rs),
+                      f"{v} at {slo.ttft:g} s: a request lost or a block leaked")
+        checks.expect(all(r["generated_as_asked"] for r in rs),
+                      f"{v} at {slo.ttft:g} s: a request generated another number of tokens")
+    header = ["TTFT target s", "variant", "within targets, every run", "median", "first tokens late", "per-token late",
               "p99 TTFT at the peak s", "preemptions"]
     rows = []
-    for v, rs in runs.items():
+    for (slo, v), rs in runs.items():
         def med(key):
             return statistics.median(r[key] for r in rs)
-        rows.append([v, " / ".join(str(r["within"]) for r in rs) + f" of {rs[0]['submitted']}", med("within"),
-                     med("late_first"), med("slow"), f"{med('p99_peak'):.2f}", med("preemptions")])
+        rows.append([f"{slo.ttft:g}", v, " / ".join(str(r["within"]) for r in rs) + f" of {rs[0]['submitted']}",
+                     med("within"), med("late_first"), med("slow"), f"{med('p99_peak'):.2f}", med("preemptions")])
+    targets = ", ".join(f"{slo.ttft:g}" for slo in slos)
+    what = "availability by time-to-first-token target" if sweep else "scheduling variants"
     body = "\n".join([
-        f"### Emulated tidal load: scheduling variants ({model_name(args.smoke)}'s forward times, stand-in model)", "",
+        f"### Emulated tidal load: {what} ({model_name(args.smoke)}'s forward times, stand-in model)", "",
         f"bench_load's trace (seed 0, {len(reqs)} requests over {size['minutes'] * 60:.0f} s, pool {size['num_blocks']} "
         f"blocks of {size['block_size']}, host tier as many, `max_batch_tokens={size['batch_tokens']}`); SLO targets "
-        f"{slo.ttft:g} s / {slo.per_token:g} s; forwards paced to {line[0] * 1e3:.0f} ms + {line[1] * 1e3:.2f} ms x n "
+        f"{targets} s / {per_token_target:g} s; forwards paced to {line[0] * 1e3:.0f} ms + {line[1] * 1e3:.2f} ms x n "
         "(the line under the model alone's forward times here), each request generating as many tokens as "
         f"{model_name(args.smoke)} gives it. Not bench_load's figures: a model of this machine for comparing "
         "variants.", "", markdown_table(header, rows), "",
         f"Method: median of {args.repeats} runs of each variant, the variants interleaved in the order given, "
-        f"{args.parallel} runs side by side, each in a process of its own and after an untimed warm-up of 4 requests; "
+        f"{args.parallel} runs side by side, each in a process of its own and after an untimed warm-up of 4 requests"
+        f"{'; the engine and its controller configured with the target of the row' if sweep else ''}; "
         "time to first token counts from the request's submission; at the peak: requests arriving in the middle "
         "third of the trace.",
     ])
+    if sweep:
+        return checks.finish("emulated-load-targets", body, args.smoke, after="emulated-load")
     return checks.finish("emulated-load", body, args.smoke, after="load")
 
 

@@ -20,13 +20,17 @@ BENCH = ROOT / "bench"
 DOCS = ROOT / "docs" / "benchmarks.md"
 SCRIPTS = ["bench_reuse", "bench_tiers", "bench_paging", "bench_decode", "compile_table", "bench_block_size",
            "emulate_load", "bench_capacity"]
+SWEEP = "emulate_load, target sweep"
+COMMANDS = {SWEEP: ["emulate_load", "--slo-ttft", "0.5", "2"]}  # runs beyond each script's plain --smoke
+RUNS = [*SCRIPTS, SWEEP]
 NOT_WRITTEN = "(smoke run: docs/benchmarks.md not written)"
 
 
-def start(script: str) -> subprocess.Popen:
+def start(run: str) -> subprocess.Popen:
+    script, *extra = COMMANDS.get(run, [run])
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU: the CPU paths, as CI runs them
-    return subprocess.Popen([sys.executable, str(BENCH / f"{script}.py"), "--smoke"], cwd=ROOT / "tests", env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(BENCH / f"{script}.py"), "--smoke", *extra], cwd=ROOT / "tests",
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,7 @@ def runs(request):
     selected = {item.callspec.params["script"] for item in request.session.items
                 if item.module is request.module and hasattr(item, "callspec") and "script" in item.callspec.params}
     before = DOCS.read_bytes() if DOCS.exists() else None
-    processes = {script: start(script) for script in SCRIPTS if script in selected}
+    processes = {script: start(script) for script in RUNS if script in selected}
     yield processes, before
     for process in processes.values():
         if process.poll() is None:
@@ -71,16 +75,19 @@ EXPECTED = {
                       "`paged_decode` split", "`paged_decode` merge", "`paged_prefill`", "`write_kv`", "<details>"],
     "bench_block_size": ["### Block size", "memory in partial blocks", "system prompt recomputed",
                          "the advisor's `block_overhead`", "Decision: a live pool keeps its block size"],
-    "emulate_load": ["### Emulated tidal load", "forwards paced to", "Not bench_load's figures", "| on |", "| off |"],
+    "emulate_load": ["### Emulated tidal load: scheduling variants", "forwards paced to", "Not bench_load's figures",
+                     "| on |", "| off |"],
+    SWEEP: ["### Emulated tidal load: availability by time-to-first-token target", "SLO targets 0.5, 2 s",
+            "configured with the target of the row"],
     "bench_capacity": ["### Capacity: sequences at once in the same memory", "| static reservation |",
                        "| ceiling (any system) |", "| engine, SGLang's rule alone |", "| transformers CB |"],
 }
 TABLE_COUNT = {"bench_reuse": 5, "bench_tiers": 3, "bench_paging": 3, "bench_decode": 3, "compile_table": 2,
-               "bench_block_size": 1, "emulate_load": 1, "bench_capacity": 1}
+               "bench_block_size": 1, "emulate_load": 1, SWEEP: 1, "bench_capacity": 1}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", RUNS)
 def test_smoke_run_prints_its_tables_and_leaves_the_docs_alone(runs, script):
     processes, docs_before = runs
     stdout, stderr = processes[script].communicate(timeout=600)
@@ -119,8 +126,12 @@ def check_figures(script: str, out: str) -> None:
         assert out.count("| yes |") >= 10  # every system of every workload matches DynamicCache
     elif script == "emulate_load":
         rows = tables(out)[0][1:]
-        assert [row[0] for row in rows] == ["on", "off"]
-        assert all(re.fullmatch(r"\d+ / \d+ / \d+ of \d+", row[1]) for row in rows), rows  # every run listed
+        assert [row[1] for row in rows] == ["on", "off"] and len({row[0] for row in rows}) == 1  # the calibrated target
+        assert all(re.fullmatch(r"\d+ / \d+ / \d+ of \d+", row[2]) for row in rows), rows  # every run listed
+    elif script == SWEEP:
+        rows = tables(out)[0][1:]
+        assert [row[:2] for row in rows] == [["0.5", "on"], ["0.5", "off"], ["2", "on"], ["2", "off"]], rows
+        assert all(re.fullmatch(r"\d+ / \d+ / \d+ of \d+", row[2]) for row in rows), rows
     elif script == "bench_capacity":
         assert "Method: 1 round after one untimed warm-up run" in out and "FAILED" not in out
         systems = [row for row in tables(out)[0][1:] if row[1] not in ("static reservation", "ceiling (any system)")]
