@@ -197,6 +197,12 @@ def calibrate(model, reqs: list[Req], stop: list[int], size: dict) -> dict:
     return dict(ttft_alone=statistics.median(alone), per_token_together=statistics.median(together))
 
 
+def calibrated_targets(calibration: dict) -> tuple[float, float]:
+    """`(ttft, per_token)` targets from `calibrate`: 5 x the time to first token alone, 3 x the
+    per-token latency of 8 requests decoding together (room for prefill chunks in their forwards)."""
+    return round2(5 * calibration["ttft_alone"]), round2(3 * calibration["per_token_together"])
+
+
 def machine_bound(plain, reqs: list[Req], ttft: float, batch_tokens: int, duration: float) -> dict:
     """What any schedule could do on this machine (`feasibility`): the line under the model's
     forward times, the most requests whose first token can come within `ttft`, the least
@@ -530,8 +536,8 @@ def main() -> int:
     if args.slo_ttft is None or args.slo_per_token is None:
         note("calibrating the SLO targets (and warming the engine up)")
         calibration = calibrate(model, reqs, stop, size)
-    slo = SLO(ttft=args.slo_ttft or round2(5 * calibration["ttft_alone"]),
-              per_token=args.slo_per_token or round2(3 * calibration["per_token_together"]))
+    ttft, per_token_target = calibrated_targets(calibration) if calibration else (None, None)
+    slo = SLO(ttft=args.slo_ttft or ttft, per_token=args.slo_per_token or per_token_target)
     how = ("given on the command line" if calibration is None else
            "calibrated: 5 x the median time to first token alone, 3 x the median per-token latency of 8 requests "
            "decoding together" + (", where not given on the command line" if args.slo_ttft or args.slo_per_token

@@ -128,9 +128,9 @@ def main() -> int:
     calibration = None
     if args.slo_ttft is None or args.slo_per_token is None:
         calibration = bench_load.calibrate(model, reqs, stop, size)
-    per_token_target = args.slo_per_token or bench_load.round2(3 * calibration["per_token_together"])
-    slos = [SLO(ttft=ttft, per_token=per_token_target)
-            for ttft in args.slo_ttft or [bench_load.round2(5 * calibration["ttft_alone"])]]
+    ttft, per_token_target = bench_load.calibrated_targets(calibration) if calibration else (None, None)
+    per_token_target = args.slo_per_token or per_token_target
+    slos = [SLO(ttft=target, per_token=per_token_target) for target in args.slo_ttft or [ttft]]
     sweep = len(slos) > 1
     sizes = sorted({1, size["batch_tokens"] // 8, size["batch_tokens"] // 2, size["batch_tokens"]})
     line = forward_line(lambda n: model_alone(model, reqs, 0, [(n, 1)]), sizes)
