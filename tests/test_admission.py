@@ -14,7 +14,8 @@ from hf_paged_kv.engine.admission import LATE_YIELD, Admission
 from hf_paged_kv.engine.costs import StepCosts
 from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.engine.scheduler import Limits, Scheduler
+from hf_paged_kv.engine import Limits
+from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.pool import LayerSpec
 from hf_paged_kv.reuse.prefix_index import PUBLIC_TENANT
 from hf_paged_kv.sequence import Sequence

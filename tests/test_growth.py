@@ -10,7 +10,8 @@ import hf_paged_kv
 from hf_paged_kv import Engine, KVPool
 from hf_paged_kv.engine.growth import TRUST_AFTER, WINDOW, GrowthShare
 from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.engine.scheduler import Limits, Scheduler
+from hf_paged_kv.engine import Limits
+from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.pool import LayerSpec
 
 

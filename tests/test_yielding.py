@@ -19,7 +19,8 @@ from hf_paged_kv.engine import SLO
 from hf_paged_kv.engine.admission import Admission
 from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.engine.scheduler import Limits, Scheduler
+from hf_paged_kv.engine import Limits
+from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.engine.yielding import slack, victims
 from hf_paged_kv.pool import LayerSpec
 from hf_paged_kv.sequence import Sequence

@@ -2,7 +2,7 @@
 
 from .controller import SLO, Thresholds
 from .engine import Engine
-from .scheduler import Limits
+from .config import Limits
 from .request import RequestFailed, RequestHandle, SamplingParams
 
 __all__ = ["Engine", "RequestHandle", "RequestFailed", "SamplingParams", "SLO", "Thresholds", "Limits"]

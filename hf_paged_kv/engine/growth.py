@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .scheduler import Limits
+from .config import Limits
 
 WINDOW = 128  # finished requests whose shares the estimate averages
 TRUST_AFTER = 8  # finished requests since the last preemption before the estimate caps the share

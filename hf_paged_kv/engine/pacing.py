@@ -45,7 +45,7 @@ from typing import Callable
 from . import yielding
 from .costs import StepCosts
 from .request import Request
-from .scheduler import Limits
+from .config import Limits
 
 MARGIN = 0.85  # of a decode's allowance a step is planned to take: room for the fitted line's error
 MIN_PREFILL = 16  # prompt tokens a paced step still holds (a block's worth)
