@@ -1,8 +1,9 @@
 """Serve a local model over OpenAI's HTTP API, on the paged engine (needs the `serve` extra).
 
     python -m hf_paged_kv.serve --model DIR [--port 8000] [--host 127.0.0.1]
-        [--num-blocks N | --max-bytes B] [--block-size 16] [--max-batch-tokens 512]
-        [--max-running 64] [--max-waiting 1024] [--dtype float32] [--device auto]
+        [--num-blocks N | --max-bytes B] [--block-size 16] [--max-num-batched-tokens 512]
+        [--max-num-seqs 64] [--max-waiting 1024] [--slo-ttft S --slo-tpot S]
+        [--dtype float32] [--device auto]
     hf-paged-kv-serve --model smollm2          # the packaged SmolLM2-135M-Instruct
 
 `DIR` is a directory written by `save_pretrained` (the model and its tokenizer); nothing is
@@ -11,7 +12,11 @@ ever downloaded. Then, with any OpenAI client:
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.chat.completions.create(model=NAME, messages=[...], stream=True)
 
-`NAME` is `--served-model-name`, by default the directory's name (or "smollm2").
+`NAME` is `--served-model-name`, by default the directory's name (or "smollm2"). Flags that
+mean what vLLM's mean have vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`; the
+older `--max-running` and `--max-batch-tokens` still work). Load adaptation (the controller,
+shedding with 429, pacing) runs only with both SLO targets given; without them the engine
+queues up to `--max-waiting` requests and sheds nothing.
 """
 
 from __future__ import annotations
@@ -36,9 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     size.add_argument("--num-blocks", type=int, help="KV pool size in blocks")
     size.add_argument("--max-bytes", type=int, help="KV pool size in bytes (default: the library's sizing)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    parser.add_argument("--max-batch-tokens", type=int, default=512, help="token budget of one forward")
-    parser.add_argument("--max-running", type=int, default=64, help="sequences running at once, at most")
+    parser.add_argument("--max-num-batched-tokens", "--max-batch-tokens", dest="max_batch_tokens", type=int,
+                        default=512, help="token budget of one forward")
+    parser.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=int, default=64,
+                        help="sequences running at once, at most")
     parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 429")
+    parser.add_argument("--slo-ttft", type=float, help="target seconds to the first token (with --slo-tpot: "
+                        "load adaptation on; without targets nothing is shed or paced)")
+    parser.add_argument("--slo-tpot", type=float, help="target seconds per output token after the first")
     parser.add_argument("--default-max-tokens", type=int,
                         help="max_tokens of a chat completion that gives none (default: the rest of the context)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype (the KV pool follows)")
@@ -50,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if (args.slo_ttft is None) != (args.slo_tpot is None):
+        parser.error("give both SLO targets, --slo-ttft and --slo-tpot, or neither (no load adaptation)")
+    for name in ("slo_ttft", "slo_tpot"):
+        value = getattr(args, name)
+        if value is not None and not 0 < value < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value}")
     return args
 
 
@@ -105,15 +121,16 @@ def smollm2_directory() -> Path:
 
 def build_app(args: argparse.Namespace):
     """The FastAPI app for these arguments (the model loaded, the engine built, not started)."""
-    from hf_paged_kv import Engine, KVPool, PagedKVError
+    from hf_paged_kv import SLO, Engine, KVPool, PagedKVError
 
     from .engine.server import create_app
 
     model, tokenizer = load(args.model, args.dtype, args.device)
     try:  # options the pool or the engine refuse (a byte budget below one block, ...)
         pool = KVPool(num_blocks=args.num_blocks, max_bytes=args.max_bytes, block_size=args.block_size)
+        slo = None if args.slo_ttft is None else SLO(ttft=args.slo_ttft, per_token=args.slo_tpot)
         engine = Engine(model, tokenizer=tokenizer, pool=pool, max_running=args.max_running,
-                        max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting)
+                        max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting, slo=slo)
     except (PagedKVError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)

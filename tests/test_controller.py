@@ -444,7 +444,7 @@ def test_the_controller_gives_admission_its_targets_unless_they_are_set():
     assert (given.limits.ttft_target, given.limits.per_token_target) == (2.0, 0.5)
     assert given.limits.burst_batch_tokens == 700
     shared = Limits()  # one Limits for two engines: the controlled one must not move the other's
-    Engine(model, pool=pool, limits=shared)
+    Engine(model, pool=pool, limits=shared, slo=SLO())
     assert shared.ttft_target is None and shared.per_token_target is None
     assert Engine(model, pool=pool, limits=shared, controller=False).limits.ttft_target is None
     hf_paged_kv.disable(model)
@@ -453,7 +453,7 @@ def test_the_controller_gives_admission_its_targets_unless_they_are_set():
 def test_every_engine_actuator_moves_under_pressure_and_comes_back():
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=64, block_size=8, host_blocks=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)
-    engine = Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0))
+    engine = Engine(model, pool=pool, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals = engine.load.controller, engine.load.signals
     before = controller.settings()
     now = into_pressure(controller, signals, time.monotonic())
@@ -555,7 +555,7 @@ def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
     the configured values, not the tightened ones."""
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=64, block_size=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)
-    engine = Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0))
+    engine = Engine(model, pool=pool, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals = engine.load.controller, engine.load.signals
     now = into_pressure(controller, signals, time.monotonic())
     assert controller.state == "pressure" and pool.policy.half_life == 150.0 and pool.reuse.pins.budget == 0.125
@@ -563,7 +563,7 @@ def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
     engine.stop()
     assert pool.policy.half_life == 600.0 and pool.reuse.pins.budget == 0.25 and pool.reuse.pins.hot_threshold == 8.0
     assert controller.state == "normal" and engine.stats()["controller"]["state"] == "normal"
-    later = Engine(model, thresholds=Thresholds(dwell=0.0, tick=0.0)).load.controller.settings()
+    later = Engine(model, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0)).load.controller.settings()
     assert later["half_life"] == 600.0 and later["pin_budget"] == 0.25 and later["hot_threshold"] == 8.0
     hf_paged_kv.disable(model)
 
@@ -572,7 +572,7 @@ def test_a_value_set_from_outside_becomes_the_configured_one():
     """An operator's change to an engine's knob while it runs is not overwritten: it becomes the
     knob's configured value, pressure only tightens from it, and normal returns to it."""
     model = make_model("llama", seed=1)
-    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), thresholds=Thresholds(dwell=0.0, tick=0.0))
+    engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals, limits = engine.load.controller, engine.load.signals, engine.limits
     now = time.monotonic() + 1.0
     signals.sample_levels(CALM, now)
@@ -592,7 +592,7 @@ def test_the_burst_ceiling_the_controller_sets_follows_a_budget_set_from_outside
     model = make_model("llama", seed=1)
     ceilings = []
     for burst in (None, 700):
-        engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), thresholds=Thresholds(dwell=0.0, tick=0.0),
+        engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0),
                         limits=Limits(max_batch_tokens=512, burst_batch_tokens=burst))
         ceilings.append(engine.limits.burst_batch_tokens)
         with engine:
@@ -611,7 +611,7 @@ def test_two_engines_on_one_pool_do_not_tighten_each_others_pool_knobs():
     reads another's tightened pin budget or half-life as configured would halve it again."""
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=64, block_size=8, pin_budget=0.25, half_life=600.0)
-    engines = [Engine(model, pool=pool, thresholds=Thresholds(dwell=0.0, tick=0.0)) for _ in range(2)]
+    engines = [Engine(model, pool=pool, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0)) for _ in range(2)]
     now = time.monotonic()
     for _ in range(3):
         for engine in engines:

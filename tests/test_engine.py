@@ -19,8 +19,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded, PagedKVError, UnsupportedModelError
-from hf_paged_kv.engine import RequestFailed, Thresholds
-from hf_paged_kv.engine.scheduler import Limits
+from hf_paged_kv.engine import SLO, Limits, RequestFailed, Thresholds
 
 NEW = 10
 
@@ -78,7 +77,7 @@ def test_preempted_requests_resume_with_identical_output(controller, caplog):
     # long dwell): on a busy machine the first steps could otherwise see only some of them, or
     # pressure reserve room for growth, and nothing needed preempting
     engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), limits=optimistic, controller=controller,
-                    thresholds=Thresholds(dwell=600.0))
+                    slo=SLO() if controller else None, thresholds=Thresholds(dwell=600.0))
     engine.accepting = True
     handles = [engine.submit(p, max_new_tokens=24) for p in batch]
     with engine:
@@ -718,4 +717,66 @@ def test_a_request_right_after_the_weights_change_inherits_nothing_of_the_old_on
         assert handle.result(timeout=60) == expected
     assert engine.stats()["tokens_inherited"] == 0
     assert_pool_clean(engine.pool)
+    hf_paged_kv.disable(model)
+
+
+def test_without_slo_targets_nothing_is_shed_or_paced():
+    """No targets given: no controller, no target-driven rule, no refusal but a full queue. 24
+    requests from 4 threads at once into a pool that holds a few of them at a time all finish
+    (a default engine once refused 13 of them on a busy machine)."""
+    model = make_model("llama", seed=5)
+    engine = Engine(model, pool=KVPool(num_blocks=24, block_size=8), max_batch_tokens=32)
+    assert engine.load.controller is None
+    assert (engine.limits.ttft_target, engine.limits.per_token_target, engine.limits.burst_batch_tokens) == (None,) * 3
+    batch = prompts([20 + i % 7 for i in range(24)], seed=40)
+    handles = [None] * len(batch)
+
+    def client(first: int) -> None:
+        for i in range(first, len(batch), 4):
+            handles[i] = engine.submit(batch[i], max_new_tokens=6)
+
+    with engine:
+        threads = [threading.Thread(target=client, args=(first,)) for first in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        results = [h.result(timeout=300) for h in handles]
+    stats = engine.stats()
+    assert all(results) and stats["requests_finished"] == 24 and stats["requests_rejected"] == 0
+    assert stats["controller"] == {"state": "off"} and stats["goodput"] is None and stats["availability"] is None
+    assert "hf_paged_kv_availability_ratio NaN" in engine.prometheus()
+    assert_pool_clean(engine.pool)
+
+
+def test_load_control_needs_targets():
+    model = make_model("llama", seed=5)
+    with pytest.raises(ValueError, match="service-level targets"):
+        Engine(model, pool=KVPool(num_blocks=16, block_size=8), controller=True)
+    assert not hf_paged_kv.is_enabled(model)  # refused before enabling anything
+    engine = Engine(model, pool=KVPool(num_blocks=16, block_size=8), slo=SLO(ttft=30.0, per_token=30.0))
+    assert engine.load.controller is not None and engine.limits.ttft_target == 30.0
+    hf_paged_kv.disable(model)
+
+
+def test_an_engine_leaves_the_model_as_it_found_it():
+    """An engine that enabled the model disables it when it stops (and enables it again on a
+    restart), so a second engine with a new pool on the same model just works; one given an
+    enabled model leaves it enabled."""
+    model = make_model("llama", seed=6)
+    prompt = prompts([12], seed=50)[0]
+    expected = alone(model, prompt)
+    first = Engine(model, pool=KVPool(num_blocks=16, block_size=8))
+    for _ in range(2):  # stopped and started again: same pool, same tokens
+        with first:
+            assert first.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
+        assert not hf_paged_kv.is_enabled(model)
+    second = Engine(model, pool=KVPool(num_blocks=32, block_size=4))
+    with second:
+        assert second.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
+    assert not hf_paged_kv.is_enabled(model)
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=8))
+    with Engine(model) as third:
+        assert third.pool is pool and third.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
+    assert hf_paged_kv.pool_of(model) is pool
     hf_paged_kv.disable(model)

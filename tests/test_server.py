@@ -643,4 +643,24 @@ def test_serve_builds_an_app_from_a_model_directory(tmp_path, monkeypatch):
         assert out.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
         assert http.get("/health").status_code == 200
     assert engine.thread is None  # stopped with the app
+    assert not hf_paged_kv.is_enabled(engine.model)  # the engine enabled it: it leaves it as it came
+    assert engine.load.controller is None  # no SLO targets given: nothing shed or paced
+
+
+def test_serve_takes_vllms_flag_names_and_slo_targets(tmp_path, capsys):
+    from hf_paged_kv import serve
+
+    make_model("llama", seed=13).save_pretrained(tmp_path / "tiny")
+    word_tokenizer().save_pretrained(tmp_path / "tiny")
+    args = serve.parse_args(["--model", str(tmp_path / "tiny"), "--max-num-seqs", "4", "--max-num-batched-tokens",
+                             "64", "--slo-ttft", "1.5", "--slo-tpot", "0.2", "--num-blocks", "32", "--device", "cpu"])
+    assert (args.max_running, args.max_batch_tokens, args.slo_ttft, args.slo_tpot) == (4, 64, 1.5, 0.2)
+    engine = serve.build_app(args).state.engine
+    assert (engine.limits.max_running, engine.limits.max_batch_tokens) == (4, 64)
+    assert engine.load.slo == hf_paged_kv.SLO(ttft=1.5, per_token=0.2) and engine.load.controller is not None
     hf_paged_kv.disable(engine.model)
+    for wrong, message in ((["--slo-ttft", "1"], "give both SLO targets"), (["--slo-ttft", "0", "--slo-tpot", "1"],
+                                                                             "--slo-ttft must be a number of seconds")):
+        with pytest.raises(SystemExit):
+            serve.parse_args(["--model", "x", *wrong])
+        assert message in capsys.readouterr().err

@@ -29,7 +29,7 @@ import torch
 from .. import arguments
 from ..advisor import Advice, advise_block_size
 from ..errors import PagedKVError, UnsupportedModelError
-from ..integration import current_fingerprint, disable, enable, is_enabled, state_of
+from ..integration import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
 from ..pool import KVPool
 from . import openmp, pacing, runner
 from .admission import Admission
@@ -39,7 +39,8 @@ from .metrics import EngineMetrics
 from .outcomes import Outcomes
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
-from .scheduler import Limits, Scheduler
+from .config import Limits
+from .scheduler import Scheduler
 
 log = logging.getLogger("hf_paged_kv.engine")
 IDLE_WAIT = 0.05  # seconds the loop sleeps when there is nothing to do
@@ -55,25 +56,33 @@ class Engine:
         max_running, max_batch_tokens, max_waiting: scheduler limits.
         limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above;
             copied, so the controller moves this engine's own (`engine.limits`).
-        controller: adapt the knobs to the load (`controller.Controller`); False keeps them fixed.
-        slo: service-level targets (`controller.SLO`): used by the controller, reported as goodput.
+        slo: service-level targets (`controller.SLO`). Given, the engine adapts to load against
+            them (the load controller and the target-driven rules) and reports goodput within
+            them; None (the default): the knobs stay as configured, nothing is shed or paced.
+        controller: with `slo`, False only reports goodput against the targets and adapts
+            nothing; None (the default) means "on exactly when `slo` is given".
         thresholds: when the controller changes state, and how often it decides (`controller.Thresholds`).
     """
 
     def __init__(self, model, tokenizer=None, pool: KVPool | None = None, max_running: int = 64,
                  max_batch_tokens: int = 512, max_waiting: int = 1024, backend: str = "auto",
-                 limits: Limits | None = None, controller: bool = True, slo: SLO | None = None,
+                 limits: Limits | None = None, controller: bool | None = None, slo: SLO | None = None,
                  thresholds: Thresholds | None = None):
+        if controller and slo is None:
+            raise ValueError("load control adapts the engine to service-level targets: give them, "
+                             "Engine(slo=SLO(ttft=..., per_token=...)); without targets nothing is shed or paced")
         self.model, self.tokenizer = model, tokenizer
         if model.training:  # dropout would make its KV, shared with later requests, random (and the check below)
             raise PagedKVError("the model is in train mode: call model.eval() before serving it")
-        enabled_here = not is_enabled(model)
+        # an engine that enables the model disables it when it stops: the model is left as it came,
+        # and a later engine may enable it with another pool
+        self.enables_model, self.backend_choice = not is_enabled(model), backend
         self.pool = enable(model, pool=pool, backend=backend)
         self.backend = state_of(model).backend
         try:
             runner.check_packing(model, self.backend, self.pool)
         except UnsupportedModelError:
-            if enabled_here:  # a refused model is left as it came
+            if self.enables_model:  # a refused model is left as it came
                 disable(model)
             raise
         self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
@@ -81,7 +90,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, self.limits)
         self.admission = Admission(self.pool, self.scheduler)
         self.metrics = EngineMetrics()
-        self.load = LoadControl(self, controller, slo or SLO(), thresholds)
+        self.load = LoadControl(self, slo is not None if controller is None else controller, slo, thresholds)
         self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
         self.outcomes = Outcomes(self)
         self.admission.on_impossible = self.outcomes.cannot_fit
@@ -103,6 +112,9 @@ class Engine:
         if self.thread is not None and not self.accepting:
             raise PagedKVError("the engine's previous loop is still stopping: call stop() again and let it finish")
         if self.thread is None:
+            if self.enables_model and not is_enabled(self.model):  # stopped before: enabled again, same pool
+                enable(self.model, pool=self.pool, backend=self.backend_choice)
+                self.backend = state_of(self.model).backend
             self.accepting = True
             self.load.start()
             openmp.release_workers()  # this thread's idle OpenMP workers would throttle the engine's
@@ -122,6 +134,8 @@ class Engine:
         if self.thread is None:  # no loop (never started, or it died): what is queued ends here
             self._intake()
             self.outcomes.end_all("cancelled")
+            if self.enables_model and is_enabled(self.model) and pool_of(self.model) is self.pool:
+                disable(self.model)
 
     def __enter__(self) -> "Engine":
         return self.start()

@@ -23,7 +23,7 @@ log = logging.getLogger("hf_paged_kv.engine")
 
 
 class LoadControl:
-    def __init__(self, engine, enabled: bool, slo: SLO, thresholds: Thresholds | None = None):
+    def __init__(self, engine, enabled: bool, slo: SLO | None, thresholds: Thresholds | None = None):
         self.engine, self.slo = engine, slo
         thresholds = thresholds or Thresholds()
         self.signals = Signals(thresholds.short_window, thresholds.long_window)
@@ -142,7 +142,8 @@ class LoadControl:
         if tokens > 1:
             per_token = (request.last_token - request.first_token) / (tokens - 1)
             self.signals.record("per_token", per_token)
-        if request.first_token - request.arrived <= self.slo.ttft and per_token <= self.slo.per_token:
+        slo = self.slo
+        if slo is not None and request.first_token - request.arrived <= slo.ttft and per_token <= slo.per_token:
             self.counts["requests_within_slo"] += 1
 
     # ------------------------------------------------------------- tick
@@ -222,6 +223,8 @@ class LoadControl:
                     self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,
                                                  "per_token_target": self.engine.limits.per_token_target,
                                                  "burst_batch_tokens": self.engine.limits.burst_batch_tokens})
+        if self.slo is None:  # no targets: nothing to be within
+            return self.counts | {"goodput": None, "availability": None, "controller": settings}
         return self.counts | {
             "goodput": within / elapsed,
             "availability": within / submitted if submitted else 1.0,

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -133,8 +134,8 @@ class EngineMetrics:
         for state in ("free", "used", "cached"):
             self.blocks.labels(state).set(stats[f"blocks_{state}"])
         self.host_blocks.set(stats.get("host_blocks_used", 0))
-        self.goodput.set(stats["goodput"])
-        self.availability.set(stats["availability"])
+        for gauge, value in ((self.goodput, stats["goodput"]), (self.availability, stats["availability"])):
+            gauge.set(math.nan if value is None else value)  # no SLO targets: nothing to be within
         self.growth.set(stats["growth_ratio"])
 
     def text(self) -> str:
