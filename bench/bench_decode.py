@@ -37,6 +37,7 @@ from common import (
     Checks,
     alternate,
     arguments,
+    check_repeats,
     contiguous_runs,
     load_model,
     markdown_table,
@@ -195,8 +196,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, help="decode steps per timed block (default 16; smoke 4)")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16")
     args = parser.parse_args(argv)
-    if args.repeats < 3 and not args.smoke:
-        raise SystemExit("--repeats must be >= 3 for figures that are recorded")
+    check_repeats(args)
     dtypes = [d.strip() for d in args.dtypes.split(",")]
     if not set(dtypes) <= set(DTYPES):
         raise SystemExit(f"--dtypes: choose from {', '.join(DTYPES)}")

@@ -12,7 +12,10 @@ Every script follows the same rules:
   with the same weights as the paged model;
 - outputs are checked against `DynamicCache`; a failed check of the paged side (fp32) makes the
   script exit 1 without writing anything to `docs/benchmarks.md`;
-- `--smoke` runs everything at toy sizes on a tiny random model in a few seconds and only prints.
+- `--smoke` runs everything at toy sizes on a tiny random model in a few seconds and only prints;
+- `--quick` (what `bench/run_all.py --quick` passes, with reduced sizes) records fewer than 3
+  repeats and says "quick mode" next to the command, so that its figures are not taken for a full
+  run's.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_MD = ROOT / "docs" / "benchmarks.md"
+# where `record` writes; bench/run_all.py --docs sets it for the scripts it runs
+BENCHMARKS_MD = Path(os.environ.get("HF_PAGED_KV_BENCHMARKS_MD") or ROOT / "docs" / "benchmarks.md")
+QUICK_NOTE = "quick mode"  # what a --quick run's section says next to its command (bench/run_all.py)
 
 # ---------------------------------------------------------------------------------- models
 
@@ -278,7 +283,7 @@ def plot_path(args, name: str) -> Path:
         return Path(args.plot)
     if args.smoke:
         return Path(tempfile.mkdtemp(prefix=f"{name}_")) / f"{name}.png"
-    return ROOT / "docs" / f"{name}.png"
+    return BENCHMARKS_MD.parent / f"{name}.png"  # next to the file that links it
 
 
 def arguments(description: str, repeats: int = 3) -> argparse.ArgumentParser:
@@ -286,12 +291,16 @@ def arguments(description: str, repeats: int = 3) -> argparse.ArgumentParser:
     parser.add_argument("--smoke", action="store_true",
                         help="toy sizes on a tiny random model, a few seconds; prints only (docs untouched)")
     parser.add_argument("--repeats", type=int, default=repeats, help="timed runs per system (>= 3 for the docs)")
+    parser.add_argument("--quick", action="store_true",
+                        help="allow --repeats < 3 in the docs; the section says \"quick mode\" next to its command "
+                             "(bench/run_all.py --quick passes it with reduced sizes)")
     return parser
 
 
 def check_repeats(args) -> None:
-    if not args.smoke and args.repeats < 3:
-        raise SystemExit("--repeats must be >= 3 for figures that are recorded (use --smoke to try the script)")
+    if not args.smoke and not getattr(args, "quick", False) and args.repeats < 3:
+        raise SystemExit("--repeats must be >= 3 for figures that are recorded (use --smoke to try the script, "
+                         "--quick to record reduced runs marked as such)")
 
 
 # --------------------------------------------------------------------------------- records
@@ -329,13 +338,15 @@ def record(section: str, body: str, write: bool = True, replaces: str | None = N
     A section not in the file yet replaces the text matching the regex `replaces` (a hand-written
     predecessor), else goes right after the section `after`, else at the end."""
     command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    quick = (f" ({QUICK_NOTE}: sizes cut for a 2-core CPU, not comparable with a full run)"
+             if "--quick" in sys.argv[1:] else "")
     stamp = datetime.date.today().isoformat()
     print(body)
     if not write:
-        print(f"\n(smoke run: {os.path.relpath(BENCHMARKS_MD, ROOT)} not written)")
+        print("\n(smoke run: docs/benchmarks.md not written)")
         return
     block = (f"<!-- {section} -->\n{body}\n\nMeasured {stamp} on {machine()}, code at {REVISION}, "
-             f"with `{command}`.\n<!-- /{section} -->")
+             f"with `{command}`{quick}.\n<!-- /{section} -->")
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else "# Benchmarks\n"
     pattern = re.compile(rf"<!-- {re.escape(section)} -->.*?<!-- /{re.escape(section)} -->", re.S)
     anchor = re.compile(rf"<!-- /{re.escape(after)} -->\n") if after else None
