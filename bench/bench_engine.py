@@ -80,7 +80,6 @@ from hf_paged_kv import Engine, KVPool, Overloaded
 from hf_paged_kv.engine import SLO, Limits, Thresholds, openmp
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
 
 FULL = dict(requests=64, system_tokens=160, prompt=(24, 320), question=(16, 64), new=(16, 64), block_size=16,
             pool_fraction=0.3, batch_tokens=256, max_running=64, max_micro=8, rates="1,2,inf", warmup=6)
@@ -798,15 +797,15 @@ def main() -> int:
             checks.expect(run.extra["leaked"] == 0, f"engine at {rate_label(rate)}: {run.extra['leaked']} blocks "
                                                     "still in use after every request finished")
 
+    image = "" if checks.failures else plot(args, rates, names, summaries)
     body = report(args, size, base, rates, names, summaries, results, floors, reference, micro, static_concurrency,
-                  per_block)
-    if not checks.failures:
-        body += "\n\n" + plot(args, rates, names, summaries)
+                  per_block, image)
     return checks.finish("engine", body, args.smoke)
 
 
 def report(args, size, base, rates, names, summaries, results, floors, reference, micro, static_concurrency,
-           per_block) -> str:
+           per_block, image: str = "") -> str:
+    """The section's text; `image`: the plot's markdown link, set next to the tables it draws."""
     n, bs = len(base), size["block_size"]
     prompt_tokens = sum(len(r.prompt) for r in base)
     outputs = [len(t) for t in reference if t is not None]
@@ -820,16 +819,19 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
         f"{max(len(r.prompt) for r in base)} tokens ({prompt_tokens} in all, {unique_prompt_tokens(base)} once the "
         f"shared {size['system_tokens']}-token system prompt of {sum(1 for r in base if r.group)} requests is counted "
         f"once); max_new_tokens {size['new'][0]}..{size['new'][1]} per request, each stopping at the end of its first "
-        f"sentence: {output_tokens} tokens generated in all. Same KV memory for every system: "
-        f"{size['num_blocks']} blocks of {bs} tokens = {mib(pool_bytes)} MiB "
+        f"sentence: {output_tokens} tokens generated in all.",
+        "",
+        f"Same KV memory for every system: {size['num_blocks']} blocks of {bs} tokens = {mib(pool_bytes)} MiB "
         f"({size['pool_fraction']:.0%} of what the requests would reserve statically, prompt + max_new_tokens each; "
-        f"not all fit at once). Sequential and micro-batched `generate` use DynamicCache (a model never enabled); "
-        f"micro-batches take up to {micro} waiting requests (the largest padded DynamicCache batch that fits the same "
-        f"bytes). The engine: `Engine(max_running={size['max_running']}, max_batch_tokens={size['batch_tokens']}, "
-        f"controller=False)` on a fresh pool per run. transformers CB: `ContinuousBatchingConfig(num_blocks="
-        f"{size['num_blocks']}, block_size={bs}, max_batch_tokens={size['batch_tokens']}, max_requests_per_batch="
-        f"{size['max_running']})`, streaming, prefix sharing on, its token times taken as its outputs reach the "
-        "client.",
+        "not all fit at once). The systems:",
+        "",
+        "- sequential and micro-batched `generate`: DynamicCache (a model never enabled); micro-batches take up to "
+        f"{micro} waiting requests (the largest padded DynamicCache batch that fits the same bytes);",
+        f"- the engine: `Engine(max_running={size['max_running']}, max_batch_tokens={size['batch_tokens']}, "
+        "controller=False)` on a fresh pool per run;",
+        f"- transformers CB: `ContinuousBatchingConfig(num_blocks={size['num_blocks']}, block_size={bs}, "
+        f"max_batch_tokens={size['batch_tokens']}, max_requests_per_batch={size['max_running']})`, streaming, prefix "
+        "sharing on, its token times taken as its outputs reach the client.",
     ]
     header = ["system", "tokens/s", "vs sequential", "TTFT p50 s", "TTFT p95 s", "per-token p50 s", "per-token p95 s",
               "max / mean concurrent", "preemptions", "peak KV MiB", "failed", "same tokens as per-request generate"]
@@ -848,6 +850,8 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
                          f"{max(x['failed'] for x in s)}", same_column(s, name == names[0], n)])
         lines += ["", f"**Arrivals {rate_label(rate)}** (makespan of the engine "
                       f"{median_of(summaries[rate]['engine'], 'makespan'):.1f} s):", "", markdown_table(header, rows)]
+    if image:
+        lines += ["", image]
 
     # ratios against the targets, at every rate
     engine = {rate: median_of(summaries[rate]["engine"], "throughput") for rate in rates}
@@ -876,36 +880,36 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
                  *[f"{busy[rate] / packed:.2f}x" if busy[rate] else "-" for rate in rates], ""])
     lines += ["", "**Throughput ratios** (medians of this run) and the compute floor:", "",
               markdown_table(["ratio", *[rate_label(r) for r in rates], "target"], rows), "",
-              f"Compute floor: {floor:.2f} s = the model alone (never enabled, SDPA) on the "
-              f"{unique_prompt_tokens(base)} unique prompt tokens and the {output_tokens} output tokens in the "
-              f"cheapest of the schedules below, forwards of at most {size['batch_tokens']} tokens (positions "
-              "restarting per sequence, logits only for the output tokens; a replay feeds what the engine fed: "
-              "no request's last token, prefixes shared by whole blocks, any recompute after a preemption). "
-              "Where a replay is the floor, the schedule's row reads 1.00x at that rate by construction. "
-              f"{len(shapes['even'])} forwards is the fewest any schedule can use: no forward holds more than "
+              f"Compute floor: {floor:.2f} s (the spreads {spreads:.2f} s): the model alone (never enabled, SDPA) "
+              f"on the {unique_prompt_tokens(base)} unique prompt tokens and the {output_tokens} output tokens in the "
+              f"cheapest of the schedules below, forwards of at most {size['batch_tokens']} tokens.", "",
+              f"- {len(shapes['even'])} forwards is the fewest any schedule can use: no forward holds more than "
               f"{size['batch_tokens']} tokens, and a request with L output tokens needs L forwards, since each "
               f"token after its first is fed back in the next one (the longest output here is {max(outputs)} "
-              "tokens). The floor is the cheapest of two spreads of the tokens over those forwards (evenly, or as "
-              "many full forwards as fit and the rest spread thin) and the engine's own forwards at any rate, "
-              "replayed: a schedule the engine ran is one any system could, and the model alone runs each forward "
-              "as one causal sequence, so a spread's larger forwards also attend across requests, which no real "
-              "schedule does (on 2026-12-02 the all-at-once replay, 71 forwards, came out at 0.96x the spreads' 59, "
-              "and the floor was the spreads' until then). This run: the spreads "
-              f"{spreads:.2f} s, the floor {floor:.2f} s. The packed floor, "
-              f"{packed:.2f} s, puts the same tokens in {len(shapes['packed'])} full forwards, which ignores that "
-              "dependency; it was the floor of this table until 2026-12-01 and is kept for comparison with "
-              "earlier runs. The makespan ratio at the lower rates is bounded by the arrivals "
-              "(the last request arrives late), the step-time ratio is not. The step-time ratio splits in two: the "
-              "model alone replaying the engine's own forwards (each forward's token count and kept logits, "
-              "recorded by a forward pre-hook; no cache, SDPA over the forward's own tokens) of each round's engine "
-              "runs against the floor: what running more, smaller forwards costs (a decode step feeds one token "
-              "per running sequence, and the pool bounds how many run); and the engine's time in steps against "
-              "that replay: attention over cached keys, cache writes, planning and sampling. The floors and the "
-              "replays are timed after each round, where the engine runs its steps: on a thread of their own "
-              "started with the client thread's OpenMP workers released; each twice, all of them in one order "
-              "and then the reverse, median per round, then median over the rounds (until 2026-12-02 they were "
-              "timed once per round on the client thread, where the same forwards ran about 10% apart from the "
-              "engine's thread; the schedule's ratio of the run of 2026-12-02 came out at 0.90x)."]
+              "tokens).",
+              "- The floor is the cheapest of two spreads of the tokens over those forwards (evenly, or as many full "
+              "forwards as fit and the rest spread thin) and the engine's own forwards at any rate, replayed. A "
+              "schedule the engine ran is one any system could; and the model alone runs each forward as one causal "
+              "sequence, so a spread's larger forwards also attend across requests, which no real schedule does. "
+              "Where a replay is the floor, the schedule's row reads 1.00x at that rate by construction.",
+              "- Every forward of a floor: positions restarting per sequence, logits only for the output tokens; a "
+              "replay feeds what the engine fed (no request's last token, prefixes shared by whole blocks, any "
+              "recompute after a preemption).",
+              f"- The packed floor, {packed:.2f} s, puts the same tokens in {len(shapes['packed'])} full forwards, "
+              "which ignores that dependency: unreachable, a row for comparison.", "",
+              "Reading the ratios:", "",
+              "- The makespan ratio at the lower rates is bounded by the arrivals (the last request arrives late); "
+              "the step-time ratio is not.",
+              "- The step-time ratio splits in two. First, the model alone replaying the engine's own forwards of "
+              "each round's engine runs, against the floor: what running more, smaller forwards costs (a decode step "
+              "feeds one token per running sequence, and the pool bounds how many run). The replay takes each "
+              "forward's token count and kept logits, recorded by a forward pre-hook; no cache, SDPA over the "
+              "forward's own tokens.",
+              "- Second, the engine's time in steps against that replay: attention over cached keys, cache writes, "
+              "planning and sampling.",
+              "- The floors and the replays are timed after each round, where the engine runs its steps: on a thread "
+              "of their own started with the client thread's OpenMP workers released; each twice, all of them in "
+              "one order and then the reverse, median per round, then median over the rounds."]
 
     ceiling = concurrency_ceiling(base, size["num_blocks"], bs)
     rows = []
@@ -931,15 +935,15 @@ def report(args, size, base, rates, names, summaries, results, floors, reference
                   f"this machine, {torch.get_num_threads()} torch threads); one untimed warm-up run of each system on "
                   f"{size['warmup']} requests first; then {args.repeats} round{'s' if args.repeats > 1 else ''}, "
                   "each running every rate with the systems' order rotated per round and rate; every figure is the "
-                  "median over the rounds, every ratio compares medians of this run. Time to first token counts "
-                  "from the scheduled arrival; per-token latency is per request (last - first token) / (tokens - 1), "
-                  "then p50/p95 over requests. Tokens of every run are compared with per-request greedy `generate` "
-                  "(sequential, DynamicCache). The engine and transformers CB run their steps on a thread of their "
-                  "own, and each starts with the client thread's idle OpenMP workers released "
-                  "(`hf_paged_kv.engine.openmp`: with more OpenMP threads than cores every parallel region pays a "
-                  "wake-up); the generate systems run on the client thread. The engine's client looks at its live "
-                  f"requests every {POLL * 1000:.0f} ms and sleeps in between (every 5 ms until 2026-12-01, which "
-                  "took 6% of a core from the engine's two); the engine stamps each request's token times itself."]
+                  "median over the rounds, every ratio compares medians of this run.", "",
+              "- Time to first token counts from the scheduled arrival; per-token latency is per request (last - "
+              "first token) / (tokens - 1), then p50/p95 over requests.",
+              "- Tokens of every run are compared with per-request greedy `generate` (sequential, DynamicCache).",
+              "- The engine and transformers CB run their steps on a thread of their own, and each starts with the "
+              "client thread's idle OpenMP workers released (`hf_paged_kv.engine.openmp`: with more OpenMP threads "
+              "than cores every parallel region pays a wake-up); the generate systems run on the client thread.",
+              f"- The engine's client looks at its live requests every {POLL * 1000:.0f} ms and sleeps in between; "
+              "the engine stamps each request's token times itself."]
     return "\n".join(lines)
 
 
@@ -967,7 +971,7 @@ def plot(args, rates, names, summaries) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     note(f"plot: {path}")
-    shown = path.name if path.parent.resolve() == DOCS.resolve() else str(path)
+    shown = path.name if path.parent.resolve() == common.BENCHMARKS_MD.parent.resolve() else str(path)
     return f"![throughput and p95 TTFT vs arrival rate]({shown})"
 
 

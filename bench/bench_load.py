@@ -56,7 +56,6 @@ import common
 import numpy as np
 import torch
 from bench_engine import (
-    DOCS,
     Req,
     Run,
     blocks_for,
@@ -291,7 +290,8 @@ def three(values, digits=2) -> str:
     return " / ".join(fmt(v, digits) for v in values)
 
 
-def report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound) -> str:
+def report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound, image: str = "") -> str:
+    """The section's text; `image`: the plot's markdown link, set next to the tables it draws."""
     duration = size["minutes"] * 60
     n = len(reqs)
     kinds = {k: sum(1 for r in reqs if r.group.startswith(k)) for k in ("system", "conversation")}
@@ -306,7 +306,9 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
         f"{kinds['system']} sharing one of two system prompts, {kinds['conversation']} continuing a conversation "
         "(history resent), "
         f"{sum(r.priority for r in reqs)} of priority 1; max_new_tokens {size['new'][0]}..{size['new'][1]}, "
-        f"stopping at the end of the first sentence. KV memory for every system: {size['num_blocks']} blocks of "
+        f"stopping at the end of the first sentence.",
+        "",
+        f"KV memory for every system: {size['num_blocks']} blocks of "
         f"{size['block_size']} tokens ({mib(size['num_blocks'] * size['per_block'])} MiB, the static reservation of "
         f"{size['pool_requests']} average requests). {host_text(size)} Engine: `max_running={size['max_running']}, "
         f"max_batch_tokens="
@@ -340,6 +342,8 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
              three(summaries[name]["tok"], 3), three(summaries[name]["tok_peak"], 3)] for name in names]
     lines += ["", "**Latency** (over completed requests; at peak: those arriving in the middle third of the trace):",
               "", markdown_table(header, rows)]
+    if image:
+        lines += ["", image]
     on, off = summaries[names[0]], summaries[names[1]]
     p99_on, p99_off = on["ttft_peak"][2], off["ttft_peak"][2]
     rows = [
@@ -365,14 +369,15 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
     lines += ["", f"Method: {runs} of each system over the same seeded trace in real time (the order rotated per "
                   f"repeat; figures of the "
                   f"{'median run by availability' if args.repeats > 1 else 'run'}), after an untimed warm-up of each "
-                  "(4 requests; and the calibration, when it ran, on the engine); the tokens of every completed "
-                  "request compared with per-request greedy `generate` (DynamicCache, untimed; a difference in "
-                  "either engine fails the run); client and servers in one process on this machine "
-                  f"({torch.get_num_threads()} torch threads). Queue, running sequences and KV usage are sampled every "
-                  f"{size['period']} s; time to first token counts from the request's first submission; per-token "
-                  "latency is per request (last - first token) / (tokens - 1); percentiles are over requests. Both "
-                  "engines and transformers CB start with the client thread's idle OpenMP workers released "
-                  "(`hf_paged_kv.engine.openmp`)."]
+                  "(4 requests; and the calibration, when it ran, on the engine); client and servers in one process "
+                  f"on this machine ({torch.get_num_threads()} torch threads).", "",
+              "- The tokens of every completed request are compared with per-request greedy `generate` "
+              "(DynamicCache, untimed); a difference in either engine fails the run.",
+              f"- Queue, running sequences and KV usage are sampled every {size['period']} s.",
+              "- Time to first token counts from the request's first submission; per-token latency is per request "
+              "(last - first token) / (tokens - 1); percentiles are over requests.",
+              "- Both engines and transformers CB start with the client thread's idle OpenMP workers released "
+              "(`hf_paged_kv.engine.openmp`)."]
     return "\n".join(lines)
 
 
@@ -407,7 +412,7 @@ def bound_text(reqs: list[Req], slo: SLO, bound: dict, p99_wanted: float, served
     if not floors:
         return text
     p50, p95, p99 = (math.floor(100 * pct(floors, q)) / 100 for q in (50, 95, 99))  # rounded down, the safe side
-    text += (f" Latency at the peak, under the same bound: if at most k - 1 of the {len(floors)} requests arriving "
+    text += (f"\n\nLatency at the peak, under the same bound: if at most k - 1 of the {len(floors)} requests arriving "
              f"in the middle third can have their first token within a target, the k-th fastest first token among "
              f"them takes longer than that target, so any schedule that serves them all has p50 / p95 / p99 time to "
              f"first token at the peak of at least {p50:.2f} / {p95:.2f} / {p99:.2f} s.")
@@ -491,7 +496,7 @@ def plot(args, size, reqs, slo, names, runs) -> str:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     note(f"plot: {path}")
-    shown = path.name if path.parent.resolve() == DOCS.resolve() else str(path)
+    shown = path.name if path.parent.resolve() == common.BENCHMARKS_MD.parent.resolve() else str(path)
     return f"![load, queue, KV usage, controller state and latency over time]({shown})"
 
 
@@ -592,9 +597,8 @@ def main() -> int:
             checks.expect(not failed, f"{name}: {len(failed)} requests failed ({failed[:2]})")
     every_run = {name: [summarize(run, reqs, slo, duration, reference)["availability"] for run in runs[name]]
                  for name in names}
-    body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound)
-    if not checks.failures:
-        body += "\n\n" + plot(args, size, reqs, slo, names, picked)
+    image = "" if checks.failures else plot(args, size, reqs, slo, names, picked)
+    body = report(args, size, reqs, slo, how, names, summaries, calibration, every_run, bound, image)
     return checks.finish("load", body, args.smoke)
 
 

@@ -398,7 +398,8 @@ def main(argv=None) -> int:
     if args.support_only:
         body = support_bot(bench, sequential_only=True)
         return bench.checks.finish(f"bench_reuse_support_{bench.size['system_tokens']}",
-                                   f"### Support bot, sequential calls {heading}\n\n{body}", args.smoke)
+                                   f"### Support bot, {bench.size['system_tokens']}-token system prompt, sequential "
+                                   f"calls {heading}\n\n{body}", args.smoke)
     sections = [support_bot(bench), multi_turn(bench), *documents(bench)]
     return bench.checks.finish("bench_reuse", f"### Cross-request reuse {heading}\n\n" + "\n\n".join(sections),
                                args.smoke)

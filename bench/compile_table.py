@@ -137,9 +137,9 @@ def main(argv=None) -> int:
         "### Ahead-of-time compile for H100/H200 (sm_90) and A100 (sm_80), no GPU needed\n\n"
         "`python -m hf_paged_kv.kernels.compile_check --arch N` builds each launch exactly as the wrappers do "
         "(on `meta` tensors), specializes it with Triton's launcher rules and compiles it with Triton's NVIDIA "
-        "backend to a cubin; `ptxas -v` (shipped with Triton) gives registers and spills. Variants: "
-        f"{variants}; launches that compile to the same source are counted once. Runs: {runs_said}. Every "
-        "variant compiled in every run (a failure would have stopped this table)."
+        "backend to a cubin; `ptxas -v` (shipped with Triton) gives registers and spills.\n\n"
+        f"Variants: {variants}; launches that compile to the same source are counted once.\n\n"
+        f"Runs: {runs_said}. Every variant compiled in every run (a failure would have stopped this table)."
         f"{note_36}\n\n{summary(runs)}\n\n"
         "<details><summary>Every variant</summary>\n\n" + details(runs) + "\n\n</details>"
     )

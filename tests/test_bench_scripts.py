@@ -156,3 +156,110 @@ def private_accesses(path: Path) -> list[str]:
 @pytest.mark.parametrize("name", [*SCRIPTS, "common"])
 def test_benchmarks_use_only_public_attributes(name):
     assert private_accesses(BENCH / f"{name}.py") == []
+
+
+# ------------------------------------------------------------------- bench/run_all.py and the file
+
+def run_all_module(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import run_all
+
+    return run_all
+
+
+def run_all(*args: str) -> str:
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # no GPU: the GPU steps are planned, and skipped
+    done = subprocess.run([sys.executable, str(BENCH / "run_all.py"), *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def section_writers() -> list[str]:
+    """The scripts in bench/ that write a section of docs/benchmarks.md (through common's `record`,
+    `Checks.finish` or gpu_check's `write_docs`)."""
+    return sorted(path.name for path in BENCH.glob("*.py") if path.name not in ("common.py", "run_all.py")
+                  and re.search(r"\b(finish|record|write_docs)\(", path.read_text()))
+
+
+def test_run_all_plans_every_script_that_writes_a_section(monkeypatch):
+    writers = section_writers()
+    assert {"bench_engine.py", "bench_load.py", "gpu_check.py", "tune_kernels.py", "compile_table.py"} <= set(writers)
+    listed, dry = run_all("--list"), run_all("--dry-run")
+    for script in writers:
+        assert f"bench/{script}" in listed, script
+        assert f"bench/{script}" in dry, script  # run, or skipped (GPU) with its sections kept
+    assert "skipped (no CUDA): python bench/gpu_check.py" in dry and "python bench/tune_kernels.py;" in dry
+    # every section of the file belongs to a step of the plan, so that a regeneration keeps it
+    run_all_ = run_all_module(monkeypatch)
+    markers = re.findall(r"^<!-- ([\w-]+) -->$", DOCS.read_text(), re.M)
+    assert markers and set(markers) <= set(run_all_.SECTIONS), set(markers) - set(run_all_.SECTIONS)
+    assert "drop none" in dry
+    # --quick: every step with a quick form passes --quick (the sections say "quick mode") and fewer repeats
+    quick = run_all("--list", "--quick")
+    for step in run_all_.PLAN:
+        if step.quick is not None:
+            assert "--quick" in step.quick and step.command(True) in quick, step
+
+
+def test_run_all_orders_sections_drops_the_rest_and_says_whether_it_is_one_snapshot(monkeypatch):
+    run_all_ = run_all_module(monkeypatch)
+
+    def section(name, commit, note=""):
+        return (f"<!-- {name} -->\n### {name} (model)\n\ntext\n\nMeasured 2026-12-06 on CPU, 2 cores; torch x, code at "
+                f"{commit}, with `python bench/x.py`{note}.\n<!-- /{name} -->")
+
+    old = "\n\n".join(["# Benchmarks\n\nan old header", section("load", "abc"), "a paragraph outside any section",
+                       section("what_changed", "abc"), section("bench_paging", "abc")])
+    run = dict(command="python bench/run_all.py", date="2026-12-06", revision="abc", machine="CPU", ran=True)
+    text, dropped = run_all_.arrange(old, run)
+    assert dropped == ["what_changed"]
+    assert text.index("<!-- bench_paging -->") < text.index("<!-- load -->")  # the plan's order
+    assert "an old header" not in text and "outside any section" not in text
+    assert "**One snapshot**" in text and "History lives in git" in text
+    text, _ = run_all_.arrange(old.replace("code at abc", "code at def", 1), run)
+    assert "**A composite, not one snapshot**" in text
+    # quick figures are never taken for full ones
+    marked = run_all_.mark_quick(section("load", "abc"), "load")
+    assert "(quick mode)." in marked and run_all_.sections_of(marked)["load"].measured["quick"]
+    text, _ = run_all_.arrange(marked, run)
+    assert "| quick |" in text and "**Quick mode**" in text
+
+
+def test_record_says_quick_mode_next_to_the_command(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import common
+
+    docs = tmp_path / "benchmarks.md"
+    monkeypatch.setattr(common, "BENCHMARKS_MD", docs)
+    monkeypatch.setattr(sys, "argv", [str(BENCH / "bench_tiers.py"), "--quick", "--repeats", "1"])
+    common.record("bench_tiers", "### Pinning and tiers\n\nbody")
+    line = [line for line in docs.read_text().splitlines() if line.startswith("Measured")][0]
+    assert "with `python bench/bench_tiers.py --quick --repeats 1` (quick mode" in line
+    run_all_ = run_all_module(monkeypatch)
+    assert run_all_.sections_of(docs.read_text())["bench_tiers"].measured["quick"]
+
+
+def paragraphs(text: str) -> list[str]:
+    """The prose of a markdown text: blocks between blank lines, each item of a list on its own;
+    tables, code and HTML comments left out (a table is data, not a paragraph)."""
+    found = []
+    for block in re.split(r"\n\s*\n", re.sub(r"```.*?```", "", text, flags=re.S)):
+        lines = [line for line in block.splitlines() if not re.fullmatch(r"\s*<!--.*-->\s*", line)]
+        if not lines or all(line.startswith("|") for line in lines):
+            continue
+        item = []
+        for line in lines:
+            if re.match(r"\s*([-*]|\d+\.) ", line) and item:
+                found.append("\n".join(item))
+                item = []
+            item.append(line)
+        found.append("\n".join(item))
+    return found
+
+
+def test_no_paragraph_of_the_benchmarks_is_over_1500_characters():
+    prose = paragraphs(DOCS.read_text())
+    assert len(prose) > 50
+    long = [f"{len(p)} characters: {p[:120]}" for p in prose if len(p) > 1500]
+    assert long == []
