@@ -266,8 +266,11 @@ def main(argv=None) -> int:
         return 0
     steps = [] if args.rewrite else [step for step in PLAN if not args.only or step.name in args.only]
     gpu = gpu_name() if any(step.gpu for step in steps) or not args.rewrite else None
-    todo = [step for step in steps if gpu or not step.gpu]
-    skipped = [step for step in steps if step not in todo]
+    missing = [step for step in steps if not (BENCH / step.script).exists()]
+    todo = [step for step in steps if (gpu or not step.gpu) and step not in missing]
+    skipped = [step for step in steps if step not in todo and step not in missing]
+    for step in missing:
+        print(f"skipped {step.name}: bench/{step.script} is not in this tree", file=sys.stderr)
     run = dict(command=shlex.join(["python", "bench/run_all.py", *(argv if argv is not None else sys.argv[1:])]),
                date=datetime.date.today().isoformat(), revision=revision(), machine=machine(gpu), ran=bool(todo))
     if args.dry_run:
