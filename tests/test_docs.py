@@ -66,6 +66,25 @@ def test_readme_has_the_two_commands_and_an_install_line():
         assert command in readme
 
 
+def test_readme_results_are_quoted_from_the_benchmarks():
+    """Each row of the README's results table quotes docs/benchmarks.md: its ratios and shares
+    appear there (at that precision or finer), and so does its command, as the benchmarks page
+    names it under the table it produced."""
+    readme, benchmarks = text(README), text(ROOT / "docs" / "benchmarks.md")
+    section = readme.split("## Results", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("|") and not r.startswith(("| workload", "|---"))]
+    assert len(rows) >= 5
+    unquoted = []
+    for row in rows:
+        workload, figure, baseline, command = (cell.strip() for cell in row.strip("|").split("|"))
+        for number, unit in re.findall(r"(\d+(?:\.\d+)?)(x|%)", figure + " " + baseline):
+            if not re.search(rf"(?<![\d.]){re.escape(number)}\d*{unit}", benchmarks):
+                unquoted.append(f"{workload}: {number}{unit}")
+        if f"with {command}" not in benchmarks:
+            unquoted.append(f"{workload}: {command}")
+    assert unquoted == [], f"README.md results not found in docs/benchmarks.md: {unquoted}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
