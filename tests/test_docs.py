@@ -2,6 +2,7 @@
 
 - README.md: at most 150 lines, and its python blocks run as pasted, as one script (the quickstart
   on the SmolLM2 the demo converts, the `openai` client against the serve command it shows).
+- docs/*.md: their python blocks run, but fragments marked `<!-- not run (why) -->`.
 - README.md and docs/*.md: relative links reach existing files (and headings), the library names
   they mention exist (`hf_paged_kv.X`, `from hf_paged_kv... import X`, the keyword arguments of
   the calls they show, `Limits.x`), their python blocks compile, the scripts they name exist, and
@@ -261,6 +262,39 @@ def test_keyword_arguments_and_fields_shown_exist(page):
 def test_python_blocks_compile(page):
     for number, block in enumerate(code_blocks(text(page), "python")):
         compile(block, f"{page_id(page)}, python block {number + 1}", "exec")
+
+
+NOT_RUN = "<!-- not run"  # the line before a fragment's fence: compiled, not run
+
+
+def runnable_blocks(source: str) -> list[str]:
+    return [block for marker, block in re.findall(r"^(<!-- not run[^\n]*\n)?```python[ \t]*\n(.*?)^```", source,
+                                                  flags=re.M | re.S) if not marker]
+
+
+DOCS_WITH_EXAMPLES = [p for p in DOCS if runnable_blocks(text(p))]
+
+
+def test_docs_examples_are_run_unless_marked():
+    """The usage, engine and tiers pages hold examples that run; a fragment says why it is not run."""
+    assert {p.name for p in DOCS_WITH_EXAMPLES} >= {"usage.md", "engine.md", "pins-and-tiers.md"}
+    for page in DOCS:
+        for marker in re.findall(rf"^{NOT_RUN}.*$", text(page), flags=re.M):
+            assert re.fullmatch(r"<!-- not run \(.+\) -->", marker), f"{page.name}: say why: {marker}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", DOCS_WITH_EXAMPLES, ids=page_id)
+def test_docs_examples_run(smollm2, page, tmp_path):
+    """A page's python blocks not marked `<!-- not run (why) -->`, in order, as one script in a
+    fresh interpreter, offline, from an empty directory (they load the demo's SmolLM2, which
+    `smollm2` converts first where it is missing)."""
+    (tmp_path / "example.py").write_text("\n\n".join(runnable_blocks(text(page))))
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "example.py"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{page_id(page)}'s examples failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
 
 
 @pytest.mark.parametrize("page", PAGES, ids=page_id)
