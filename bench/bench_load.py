@@ -21,8 +21,7 @@ controller (`controller=True`), the engine without it, and transformers' `Contin
 (streaming, the same `num_blocks` / `block_size` / `max_batch_tokens`: the same KV bytes). The pool
 holds the static reservation (prompt + max_new_tokens) of `--pool-requests` average requests:
 fewer than are in flight at the peak. Both engines also get a host tier of as many blocks
-(`--host-blocks`), where evicted prefixes go and where, with the controller's targets, decodes that
-yield their memory to first tokens wait; transformers CB gets a CPU swap pool of the same bytes
+(`--host-blocks`), where evicted prefixes go; transformers CB gets a CPU swap pool of the same bytes
 where it can have one (it pins it, which needs an accelerator). On a CPU-only machine the host
 tier is the same RAM as the pool: there the engines hold up to twice transformers CB's KV bytes
 (the report gives the host tier's peak; `--host-blocks 0` compares at equal bytes), plus the
@@ -281,7 +280,6 @@ def summarize(run: Run, reqs: list[Req], slo: SLO, duration: float, reference: l
         mean_running=float(np.mean([s[1] for s in samples])) if samples else 0.0,
         max_waiting=max((s[2] for s in samples), default=0),
         inherited=run.extra.get("stats", {}).get("tokens_inherited"),
-        yielded=run.extra.get("stats", {}).get("preemptions_for_first_tokens"),
         peak_host=max((s[4]["host_bytes"] for s in samples if "host_bytes" in s[4]), default=None),
     )
 
@@ -319,7 +317,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
         f"SLO targets: time to first token {slo.ttft:g} s, per-token latency {slo.per_token:g} s ({how}).",
     ]
     header = ["system", "availability (peak)", "priority 1 availability", "goodput req/s", "completed",
-              "refused (gave up)", "refusals / retries", "lost", "preemptions (yielding to first tokens)",
+              "refused (gave up)", "refusals / retries", "lost", "preemptions",
               "peak KV MiB (share)", "peak host tier MiB", "max / mean running", "max waiting",
               "same tokens as per-request generate"]
     rows = []
@@ -328,7 +326,7 @@ def report(args, size, reqs, slo, how, names, summaries, calibration, every_run,
         rows.append([name, f"{s['availability']:.1%} ({s['availability_peak']:.1%})", f"{s['high_availability']:.1%}",
                      f"{s['goodput']:.3f}", f"{s['completed']} of {s['submitted']}", s["refused"],
                      f"{s['refusals']} / {s['retries']}", s["lost"],
-                     "-" if s["preemptions"] is None else f"{s['preemptions']} ({s['yielded'] or 0})",
+                     "-" if s["preemptions"] is None else str(s["preemptions"]),
                      f"{mib(s['peak_kv'])} ({s['peak_kv_share']:.0%})",
                      "-" if s["peak_host"] is None else mib(s["peak_host"]), f"{s['max_running']:.0f} / "
                      f"{s['mean_running']:.1f}", f"{s['max_waiting']:.0f}",
@@ -389,8 +387,7 @@ def host_text(size: dict) -> str:
     cb = (f"transformers CB a CPU swap pool of the same bytes (`cpu_offload_space={size['cb_offload_gib']:.4f}` GiB)"
           if size["cb_offload_gib"] else "transformers CB none: its CPU swap pool is pinned memory, which a torch "
           "without an accelerator cannot allocate")
-    return (f"Host memory to swap to: both engines a host tier of {host} (where evicted prefixes go and, with "
-            f"the controller's targets, decodes that yield their memory to first tokens wait), {cb}.")
+    return f"Host memory to swap to: both engines a host tier of {host} (where evicted prefixes go), {cb}."
 
 
 def bound_text(reqs: list[Req], slo: SLO, bound: dict, p99_wanted: float, served: int) -> str:

@@ -1,5 +1,6 @@
-"""The engine's admission order: a burst's short prompts first, a long prompt keeps its turn
-against later arrivals, and memory lets a request's equals pass it only for a while."""
+"""The scheduler's admission: a burst's short prompts first, a long prompt keeps its turn
+against later arrivals, memory lets a request's equals pass it only for a while, and preempted
+requests come back with the KV they had. Driven through `Scheduler.add` / `schedule` alone."""
 
 from __future__ import annotations
 
@@ -9,12 +10,9 @@ import pytest
 import torch
 
 from hf_paged_kv import KVPool
-from hf_paged_kv.engine import runner
-from hf_paged_kv.engine.admission import LATE_YIELD, Admission
+from hf_paged_kv.engine import Limits, runner
 from hf_paged_kv.engine.costs import StepCosts
-from hf_paged_kv.engine.metrics import EngineMetrics
 from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.engine import Limits
 from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.pool import LayerSpec
 from hf_paged_kv.reuse.prefix_index import PUBLIC_TENANT
@@ -23,87 +21,81 @@ from hf_paged_kv.sequence import Sequence
 MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
 
 
-def admission(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001, ttft_target=None):
+def scheduler(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001, ttft_target=None):
     pool = KVPool(num_blocks=num_blocks, block_size=block_size)
     pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
-    scheduler = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
-    admit = Admission(pool, scheduler)
-    admit.costs.record(1, seconds_per_token)  # the recent cost of a token, no fixed cost per step
-    admit.costs.record(100, 100 * seconds_per_token)
-    return admit
+    made = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
+    made.stepped(1, seconds_per_token, whole=True)  # the recent cost of a token, no fixed cost per step
+    made.stepped(100, 100 * seconds_per_token, whole=True)
+    return made
 
 
-def queue(admit: Admission, length: int, arrived: float, priority: int = 0, first: int = 3) -> Request:
+def queue(made: Scheduler, length: int, arrived: float, priority: int = 0, first: int = 3) -> Request:
     request = Request(list(range(first, first + length)), SamplingParams(max_new_tokens=4), priority=priority)
     request.arrived = arrived
-    admit.scheduler.enqueue(request)
+    made.add(request)
     return request
 
 
-def cache_prefix(admit: Admission, owner: str = "default") -> list[int]:
+def cache_prefix(made: Scheduler, owner: str = "default") -> list[int]:
     """80 tokens in 20 cached blocks of `owner`, as an earlier request leaves them."""
     cached = list(range(3, 83))
-    blocks = admit.pool.allocate(20)
-    admit.pool.reuse.index_sequence(MODEL, owner, Sequence(blocks=blocks, length=80, tokens=cached,
-                                                           history=bytearray(b"\x01" * 80)), 0)
-    admit.pool.decref(blocks)
+    blocks = made.pool.allocate(20)
+    made.pool.reuse.index_sequence(MODEL, owner, Sequence(blocks=blocks, length=80, tokens=cached,
+                                                          history=bytearray(b"\x01" * 80)), 0)
+    made.pool.decref(blocks)
     return cached
 
 
-def admitted(admit: Admission, budget: int = 10_000, ends_prompts: bool = False) -> list[Request]:
-    chosen = admit.admit(budget, MODEL, EngineMetrics(), ends_prompts)
-    return [request for request, _ in chosen]
+def step(made: Scheduler, budget: int = 10_000, ends_prompts: bool = False, model: str = MODEL):
+    """One step's plan with `budget` tokens left after the running part; with `ends_prompts`,
+    that part ends a prompt (a one-token prompt already running, gone after the step)."""
+    ending = None
+    if ends_prompts:
+        ending = Request([5], SamplingParams(max_new_tokens=4))
+        made.running.append(ending)  # as admission leaves a request: running, nothing computed yet
+    made.limits.max_batch_tokens = budget + ends_prompts
+    plan = made.schedule(model)
+    if ending is not None:
+        plan.batch = [(request, n) for request, n in plan.batch if request is not ending]
+        made.finish(ending, "cancelled")
+    return plan
+
+
+def admitted(made: Scheduler, budget: int = 10_000, ends_prompts: bool = False, model: str = MODEL) -> list[Request]:
+    """The waiting requests one step admits (see `step`); their forward is taken to have run
+    (the tokens fed stored), so they feed nothing more until a token is sampled."""
+    waiting = list(made.waiting)
+    plan = step(made, budget, ends_prompts, model)
+    runner.commit(plan.batch)
+    return [request for request, _ in plan.batch if request in waiting]
 
 
 def test_a_burst_is_admitted_shortest_prompt_first():
-    admit, now = admission(), time.monotonic()
-    long, short, middle = (queue(admit, n, now, first=100 * i) for i, n in enumerate((120, 10, 50)))
-    assert admitted(admit) == [short, middle, long]
+    made, now = scheduler(), time.monotonic()
+    long, short, middle = (queue(made, n, now, first=100 * i) for i, n in enumerate((120, 10, 50)))
+    assert admitted(made) == [short, middle, long]
 
 
 def test_a_long_prompt_keeps_its_turn_against_requests_arriving_after_its_compute_time():
-    admit, now = admission(seconds_per_token=0.001), time.monotonic()
-    long = queue(admit, 120, now - 0.5)  # 0.12 s of compute, arrived 0.5 s before the short one
-    short = queue(admit, 10, now, first=500)
-    assert admitted(admit) == [long, short]
+    made, now = scheduler(seconds_per_token=0.001), time.monotonic()
+    long = queue(made, 120, now - 0.5)  # 0.12 s of compute, arrived 0.5 s before the short one
+    short = queue(made, 10, now, first=500)
+    assert admitted(made) == [long, short]
 
 
 def test_without_a_target_the_oldest_of_a_late_queue_goes_first():
-    admit, now = admission(seconds_per_token=0.001), time.monotonic()
-    late = queue(admit, 10, now - 1.0)  # waited 1 s
-    fresh = queue(admit, 120, now, first=500)
-    assert admitted(admit) == [late, fresh]
+    made, now = scheduler(seconds_per_token=0.001), time.monotonic()
+    late = queue(made, 10, now - 1.0)  # waited 1 s
+    fresh = queue(made, 120, now, first=500)
+    assert admitted(made) == [late, fresh]
 
 
-def test_a_request_past_its_ttft_target_yields_to_one_that_can_still_meet_it():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    late = queue(admit, 10, now - 1.0)  # waited 1 s: its first token comes after the 0.5 s target whatever happens
-    fresh = queue(admit, 120, now, first=500)  # 0.12 s of compute: it can still make it
-    assert admitted(admit) == [fresh, late]
-
-
-def test_a_request_whose_compute_would_take_it_past_the_target_yields_too():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    doomed = queue(admit, 200, now - 0.4)  # waited 0.4 s, needs 0.2 s more: late
-    short = queue(admit, 10, now - 0.1, first=500)
-    long_ = queue(admit, 300, now, first=900)  # 0.3 s: still in time
-    assert admitted(admit) == [short, long_, doomed]
-
-
-def test_a_late_request_yields_for_a_bounded_time():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    late = queue(admit, 10, now - 1.0 - LATE_YIELD * 0.5)  # late for longer than it yields
-    fresh = queue(admit, 10, now, first=500)
-    assert admitted(admit) == [late, fresh]
-
-
-def test_a_preempted_request_never_yields_and_priority_still_comes_first():
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.5), time.monotonic()
-    resumed = queue(admit, 10, now - 1.0)
-    resumed.generated = [7]  # it has had its first token: the target is behind it
-    late_high = queue(admit, 10, now - 1.0, priority=1, first=300)
-    fresh = queue(admit, 10, now, first=500)
-    assert admitted(admit) == [late_high, resumed, fresh]
+def test_priority_comes_first():
+    made, now = scheduler(seconds_per_token=0.001), time.monotonic()
+    old = queue(made, 10, now - 1.0)
+    high = queue(made, 10, now, priority=1, first=300)
+    assert admitted(made) == [high, old]
 
 
 def test_with_a_target_a_partial_chunk_waits_for_a_forward_without_first_tokens():
@@ -112,37 +104,37 @@ def test_with_a_target_a_partial_chunk_waits_for_a_forward_without_first_tokens(
     the order is admitted (not even a request of its priority that fits, as memory would let
     pass). A cheap chunk is not deferred, and without a target the budget is filled."""
     def burst(ttft_target):
-        admit, now = admission(seconds_per_token=0.001, ttft_target=ttft_target), time.monotonic()
-        short, middle, long_ = (queue(admit, n, now, first=100 * i) for i, n in enumerate((10, 20, 60)))
-        later = queue(admit, 5, now + 0.2, first=400)  # after long_ in the order, fits what is left
-        return admit, short, middle, long_, later
-    admit, short, middle, long_, later = burst(ttft_target=0.1)  # 20 tokens x 1 ms > 0.01 s
-    assert admitted(admit, budget=50) == [short, middle]
-    assert admitted(admit, budget=50) == [long_]  # a forward without first tokens: it starts
-    admit, short, middle, long_, later = burst(ttft_target=0.05)  # 8 tokens x 1 ms > 0.005 s
-    assert admitted(admit, budget=8, ends_prompts=True) == []  # the running part ends a prompt already
-    assert admitted(admit, budget=8) == [short]  # a forward of decodes only: it starts
-    admit, short, middle, long_, later = burst(ttft_target=5.0)  # a 0.02 s delay against 5 s: not worth a forward
-    assert admitted(admit, budget=50) == [short, middle, long_]
-    admit, short, middle, long_, later = burst(ttft_target=None)
-    assert admitted(admit, budget=50) == [short, middle, long_]
+        made, now = scheduler(seconds_per_token=0.001, ttft_target=ttft_target), time.monotonic()
+        short, middle, long_ = (queue(made, n, now, first=100 * i) for i, n in enumerate((10, 20, 60)))
+        later = queue(made, 5, now + 0.2, first=400)  # after long_ in the order, fits what is left
+        return made, short, middle, long_, later
+    made, short, middle, long_, later = burst(ttft_target=0.1)  # 20 tokens x 1 ms > 0.01 s
+    assert admitted(made, budget=50) == [short, middle]
+    assert admitted(made, budget=50) == [long_]  # a forward without first tokens: it starts
+    made, short, middle, long_, later = burst(ttft_target=0.05)  # 8 tokens x 1 ms > 0.005 s
+    assert admitted(made, budget=8, ends_prompts=True) == []  # the running part ends a prompt already
+    assert admitted(made, budget=8) == [short]  # a forward of decodes only: it starts
+    made, short, middle, long_, later = burst(ttft_target=5.0)  # a 0.02 s delay against 5 s: not worth a forward
+    assert admitted(made, budget=50) == [short, middle, long_]
+    made, short, middle, long_, later = burst(ttft_target=None)
+    assert admitted(made, budget=50) == [short, middle, long_]
 
 
 def test_a_deferral_counts_cached_prefixes_and_leaves_the_pool_untouched():
     """Whether a prompt's chunk is partial is judged on what it would inherit; deferring it
     references, touches and counts nothing. A resumed request is never deferred."""
-    admit, now = admission(seconds_per_token=0.001, ttft_target=0.05), time.monotonic()
-    cached = cache_prefix(admit, "default")
+    made, now = scheduler(seconds_per_token=0.001, ttft_target=0.05), time.monotonic()
+    cached = cache_prefix(made, "default")
     follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 8 tokens to compute
     follow_up.arrived = now
-    admit.scheduler.enqueue(follow_up)
-    assert admitted(admit, budget=10, ends_prompts=True) == [follow_up] and follow_up.inherited == 80
-    long_ = queue(admit, 40, now, first=900)  # nothing cached: 40 tokens
-    before = admit.pool.stats()
-    assert admitted(admit, budget=10, ends_prompts=True) == []
-    assert admit.pool.stats() == before and long_.sequence.blocks == [] and long_.computed == 0
+    made.add(follow_up)
+    assert admitted(made, budget=10, ends_prompts=True) == [follow_up] and follow_up.inherited == 80
+    long_ = queue(made, 40, now, first=900)  # nothing cached: 40 tokens
+    before = made.pool.stats()
+    assert admitted(made, budget=10, ends_prompts=True) == []
+    assert made.pool.stats() == before and long_.sequence.blocks == [] and long_.computed == 0
     long_.generated = [5]  # as if preempted after its first token: resuming is never deferred
-    assert admitted(admit, budget=10, ends_prompts=True) == [long_]
+    assert admitted(made, budget=10, ends_prompts=True) == [long_]
 
 
 def test_a_chunk_ends_a_prompt_only_before_the_first_token():
@@ -172,58 +164,58 @@ def test_the_marginal_cost_of_a_token_leaves_out_a_steps_fixed_cost():
 
 @pytest.mark.parametrize("owner", ["default", PUBLIC_TENANT])  # the request's tenant, or published to all
 def test_cached_tokens_do_not_count_as_work(owner):
-    admit, now = admission(), time.monotonic()
-    cached = cache_prefix(admit, owner)
-    fresh = queue(admit, 40, now, first=900)
+    made, now = scheduler(), time.monotonic()
+    cached = cache_prefix(made, owner)
+    fresh = queue(made, 40, now, first=900)
     follow_up = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4))  # 88 tokens, 8 of them to compute
     follow_up.arrived = now
-    admit.scheduler.enqueue(follow_up)
-    assert admitted(admit) == [follow_up, fresh]
+    made.add(follow_up)
+    assert admitted(made) == [follow_up, fresh]
     assert follow_up.inherited == 80
 
 
 def test_a_prompt_cached_whole_still_computes_the_block_of_its_last_token():
     """Inheriting stops before the block holding the last token (its logits are needed): a
     prompt that is exactly a cached prefix computes that block, and `uncached` says so."""
-    admit, now = admission(), time.monotonic()
-    cached = cache_prefix(admit)
-    admitted(admit)  # takes the weights' fingerprint, as the engine's first admitting step does
-    whole = queue(admit, 80, now)  # the 80 cached tokens, 20 blocks of 4
+    made, now = scheduler(), time.monotonic()
+    cached = cache_prefix(made)
+    admitted(made)  # takes the weights' fingerprint, as the engine's first admitting step does
+    whole = queue(made, 80, now)  # the 80 cached tokens, 20 blocks of 4
     longer = Request(cached + [7] * 8, SamplingParams(max_new_tokens=4), arrived=now)
-    assert (admit.uncached(whole), admit.uncached(longer)) == (4, 8)
-    assert admitted(admit) == [whole] and whole.inherited == 76
+    assert (made.uncached(whole), made.uncached(longer)) == (4, 8)
+    assert admitted(made) == [whole] and whole.inherited == 76
 
 
-def hold(admit: Admission, blocks: int) -> None:
+def hold(made: Scheduler, blocks: int) -> None:
     """Occupy `blocks` of the pool, as running sequences would."""
-    admit.pool.allocate(blocks)
+    made.pool.allocate(blocks)
 
 
 def test_memory_lets_requests_of_the_same_priority_pass_a_blocked_one_while_it_is_young():
-    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
-    hold(admit, 10)
-    big = queue(admit, 30, now - 0.2)  # 8 blocks: does not fit beside the 10 held
-    small = queue(admit, 6, now, first=500)  # 2 blocks: fits
-    assert admitted(admit) == [small]
-    assert admit.scheduler.waiting == [big]
+    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(made, 10)
+    big = queue(made, 30, now - 0.2)  # 8 blocks: does not fit beside the 10 held
+    small = queue(made, 6, now, first=500)  # 2 blocks: fits
+    assert admitted(made) == [small]
+    assert made.waiting == [big]
 
 
 def test_a_request_blocked_longer_than_backfill_wait_is_passed_by_no_one():
-    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
-    hold(admit, 10)
-    big = queue(admit, 30, now - 1.5)
-    small = queue(admit, 6, now, first=500)
-    assert admitted(admit) == []
-    assert admit.scheduler.waiting == [big, small]
+    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(made, 10)
+    big = queue(made, 30, now - 1.5)
+    small = queue(made, 6, now, first=500)
+    assert admitted(made) == []
+    assert made.waiting == [big, small]
 
 
 def test_a_lower_priority_never_passes_a_blocked_request():
-    admit, now = admission(num_blocks=16, backfill_wait=1.0), time.monotonic()
-    hold(admit, 10)
-    big = queue(admit, 30, now - 0.2, priority=1)
-    small = queue(admit, 6, now, priority=0, first=500)
-    assert admitted(admit) == []
-    assert admit.scheduler.waiting == [big, small]
+    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
+    hold(made, 10)
+    big = queue(made, 30, now - 0.2, priority=1)
+    small = queue(made, 6, now, priority=0, first=500)
+    assert admitted(made) == []
+    assert made.waiting == [big, small]
 
 
 @pytest.mark.parametrize("num_blocks, limits, reserved", [
@@ -249,22 +241,22 @@ def test_the_growth_clip_must_be_a_positive_number_of_tokens():
         Limits(growth_clip=0)
 
 
-def preempted_midway(admit: Admission, request: Request, computed: int) -> None:
+def preempted_midway(made: Scheduler, request: Request, computed: int) -> None:
     """Admit `request`, store its first `computed` tokens as a forward would, then preempt it."""
-    assert admitted(admit, budget=computed) == [request]
-    runner.commit([(request, computed)])
-    admit.preemption.preempt(request)
+    assert admitted(made, budget=computed) == [request]
+    made.preempt(request)
 
 
 def test_a_prefill_preempted_midway_counts_the_tokens_it_inherits_beyond_what_it_computed():
     """It stored 16 of its 100 tokens; another computed the first 80 meanwhile: coming back, it
     inherits 64 prompt tokens no forward of its own computed, and they are counted."""
-    admit, metrics = admission(), EngineMetrics()
-    request = queue(admit, 100, time.monotonic())
-    preempted_midway(admit, request, 16)
-    cache_prefix(admit)
-    assert [r for r, _ in admit.admit(10_000, MODEL, metrics, False)] == [request]
-    assert request.inherited == 80 and metrics.counters["tokens_inherited"] == 64
+    made = scheduler()
+    request = queue(made, 100, time.monotonic())
+    preempted_midway(made, request, 16)
+    cache_prefix(made)
+    plan = step(made)
+    assert [r for r, _ in plan.batch] == [request]
+    assert request.inherited == 80 and plan.inherited == 64
     assert runner.token_kinds([(request, 20)]) == (20, 0)  # the rest of its prompt: computed for the first time
 
 
@@ -272,13 +264,11 @@ def test_a_swapped_partial_block_is_not_restored_under_other_weights():
     """A request preempted with its prompt's 3 tokens in a partial block keeps their K/V on the
     host; if the weights change while it waits, they are stale: it computes them again."""
     for model, restored in ((MODEL, 3), ("other-weights", 0)):
-        admit = admission()
-        admit.costs.record(1, 0.5)  # recomputing looks expensive: the partial block is swapped
-        request = queue(admit, 3, time.monotonic())
-        assert admitted(admit) == [request]
-        runner.commit([(request, 3)])
+        made = scheduler()
+        made.stepped(1, 0.5, whole=True)  # recomputing looks expensive: the partial block is swapped
+        request = queue(made, 3, time.monotonic())
+        assert admitted(made) == [request]
         request.generated.append(7)  # its first token, sampled from that forward
-        admit.preemption.preempt(request)
-        assert request.swapped is not None
-        assert [r for r, _ in admit.admit(10_000, model, EngineMetrics(), False)] == [request]
+        assert made.preempt(request) == "swap" and request.swapped is not None
+        assert [r for r, _ in step(made, model=model).batch] == [request]
         assert request.computed == request.sequence.length == restored and request.swapped is None

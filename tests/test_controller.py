@@ -169,15 +169,15 @@ def test_a_shed_priority_is_refused_only_while_late_requests_wait():
     controller.state, controller.shed_below = "overload", 1
     engine.submit([5, 6, 7], max_new_tokens=2)  # no late request waits: accepted
     late_lower = Request([4, 5, 6], SamplingParams(max_new_tokens=2), priority=-1, arrived=time.monotonic() - 2.0)
-    engine.scheduler.enqueue(late_lower)
+    engine.scheduler.add(late_lower)
     engine.submit([5, 6, 7], max_new_tokens=2)  # only a lower priority is late: it would not queue behind it
     late = Request([8, 9, 10], SamplingParams(max_new_tokens=2), arrived=time.monotonic() - 2.0)
-    engine.scheduler.enqueue(late)
+    engine.scheduler.add(late)
     with pytest.raises(Overloaded):
         engine.submit([5, 6, 7], max_new_tokens=2)
     engine.submit([5, 6, 7], max_new_tokens=2, priority=1)  # not a shed priority
-    engine.scheduler.remove(late)
-    engine.scheduler.remove(late_lower)
+    engine.scheduler.finish(late, "cancelled")
+    engine.scheduler.finish(late_lower, "cancelled")
     engine.submit([5, 6, 7], max_new_tokens=2)  # the late backlog is gone: accepted again
     assert controller.state == "overload" and engine.stats()["requests_rejected"] == 1
     controller.state, controller.shed_below = "normal", float("-inf")  # serve what was accepted
@@ -362,7 +362,7 @@ def test_retry_after_counts_only_the_requests_that_stay_ahead():
     past = time.monotonic() - 2.0
     shed = [Request([4, 5, 6], SamplingParams(max_new_tokens=8), priority=0, arrived=past) for _ in range(3)]
     for request in shed:
-        engine.scheduler.enqueue(request)
+        engine.scheduler.add(request)
     with pytest.raises(Overloaded) as info:
         engine.submit([5, 6, 7], max_new_tokens=2)  # refused behind late ones that are about to leave
     assert info.value.retry_after == 0.1  # no decision yet
@@ -370,9 +370,9 @@ def test_retry_after_counts_only_the_requests_that_stay_ahead():
     with pytest.raises(Overloaded) as info:
         engine.submit([5, 6, 7], max_new_tokens=2)
     assert info.value.retry_after == pytest.approx(controller.limits.tick, abs=0.05)
-    engine.admission.costs.record(100, 1.0)  # 100 tokens/s, and nothing admitted lately
+    engine.scheduler.costs.record(100, 1.0)  # 100 tokens/s, and nothing admitted lately
     kept = Request([8, 9, 10, 11], SamplingParams(max_new_tokens=16), priority=1, arrived=past)
-    engine.scheduler.enqueue(kept)
+    engine.scheduler.add(kept)
     assert engine.load.retry_after(1, besides=shed[0]) == pytest.approx((4 + 16) / 100)  # the one ahead, not the queue
     engine.outcomes.turn_away(shed[0])
     assert shed[0].outcome == "rejected"
@@ -660,7 +660,7 @@ def test_a_preempted_request_waiting_is_not_a_level_to_shed_through():
     resumed = Request([3, 4, 5], SamplingParams(4), priority=5, arrived=past)
     resumed.preemptions, resumed.generated, resumed.first_token, resumed.last_token = 1, [7], past + 0.1, past + 0.1
     for request in [*waiting, resumed]:
-        engine.scheduler.enqueue(request)
+        engine.scheduler.add(request)
     for _ in range(12):
         engine.load.tick()
         time.sleep(0.05)
@@ -695,7 +695,7 @@ def test_retry_after_counts_requests_the_loop_has_not_taken_in_yet():
     engine.accepting = True  # as if the loop were busy in a forward: nothing is taken in
     engine.load.start()
     for _ in range(8):
-        engine.admission.costs.record(100, 1.0)  # 100 tokens/s
+        engine.scheduler.costs.record(100, 1.0)  # 100 tokens/s
     for _ in range(4):
         engine.submit([5] * 200, max_new_tokens=200)
     with pytest.raises(Overloaded) as info:

@@ -189,16 +189,16 @@ def test_overloaded_engine_sheds_with_retry_after():
 
 
 def raise_once_in_a_step(engine, error: BaseException, monkeypatch) -> None:
-    """`error` raised once, in the scheduler's choice of a step's batch while a request runs."""
-    continuing, armed = engine.scheduler.continuing, [True]
+    """`error` raised once, in the scheduler's plan of a step while a request runs."""
+    schedule, armed = engine.scheduler.schedule, [True]
 
-    def continuing_failing_once(budget):
+    def schedule_failing_once(model):
         if armed and engine.scheduler.running:
             armed.clear()
             raise error
-        return continuing(budget)
+        return schedule(model)
 
-    monkeypatch.setattr(engine.scheduler, "continuing", continuing_failing_once)
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_failing_once)
 
 
 def test_a_step_that_fails_fails_the_requests_in_flight_and_the_engine_goes_on(monkeypatch):
@@ -327,7 +327,7 @@ def test_a_forward_that_fails_for_one_request_fails_only_that_one():
         with pytest.raises(RequestFailed, match="forward failed"):
             handles[1].result(timeout=60)
     assert engine.stats()["requests_failed"] == 1
-    assert len(engine.admission.costs.steps()) == engine.stats()["steps"] - 1  # all but the step run row by row
+    assert len(engine.scheduler.costs.steps()) == engine.stats()["steps"] - 1  # all but the step run row by row
     assert_pool_clean(engine.pool)
     hf_paged_kv.disable(model)
 
@@ -573,7 +573,7 @@ def test_a_fault_that_repeats_every_pass_does_not_keep_stop_waiting(model, monke
         raise RuntimeError("fails every time")
 
     monkeypatch.setattr(engine.load, "tick", broken)  # logged once, fails nothing
-    monkeypatch.setattr(engine.scheduler, "continuing", broken)  # fails every step
+    monkeypatch.setattr(engine.scheduler, "schedule", broken)  # fails every step
     with engine:
         handle = engine.submit([5, 6, 7], max_new_tokens=4)
         with pytest.raises(RequestFailed, match="step failed"):

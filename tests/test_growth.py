@@ -93,7 +93,7 @@ def test_a_finished_request_counts_the_share_of_its_counted_allowance(max_new, g
     request = Request([3] * 8, SamplingParams(max_new_tokens=max_new))
     request.generated = [5] * generated
     for _ in range(TRUST_AFTER):
-        scheduler.finished(request)
+        scheduler.finish(request, "finished")
     assert scheduler.growth.estimate == pytest.approx(used)
 
 

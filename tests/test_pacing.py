@@ -10,16 +10,35 @@ import time
 import pytest
 from conftest import assert_pool_clean, make_model
 from test_engine import NEW, alone, prompts
-from test_yielding import decoding
 
 from hf_paged_kv import Engine, KVPool
-from hf_paged_kv.engine.costs import MOST_TOKENS, StepCosts
-from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, step_budget
-from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine import Limits
+from hf_paged_kv.engine.costs import MOST_TOKENS, StepCosts
+from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, slack, step_budget
+from hf_paged_kv.engine.request import Request, SamplingParams
+from hf_paged_kv.sequence import Sequence
 
 TARGET = 0.3
 LIMITS = Limits(max_batch_tokens=512, per_token_target=TARGET)
+
+
+def decoding(tokens: int, since: float, prompt: int = 8, now: float | None = None) -> Request:
+    """A running request that has generated `tokens`, its first `since` seconds before `now`,
+    its prompt's and generated tokens' KV stored but the last token's."""
+    request = Request(list(range(3, 3 + prompt)), SamplingParams(max_new_tokens=64))
+    request.generated = list(range(500, 500 + tokens))
+    request.computed = prompt + tokens - 1  # its last token is the next one fed: a decode
+    request.sequence = Sequence(length=request.computed, tokens=request.tokens()[: request.computed],
+                                history=bytearray(b"\x01" * request.computed))
+    request.first_token = (time.monotonic() if now is None else now) - since
+    return request
+
+
+def test_slack_is_the_pause_that_still_meets_the_per_token_target_with_one_more_token():
+    now = time.monotonic()
+    # 5 tokens at a 0.5 s target: the 6th may come 2.5 s after the first; 1 s passed
+    assert slack(decoding(5, since=1.0, now=now), 0.5, now) == pytest.approx(1.5)
+    assert slack(decoding(5, since=3.0, now=now), 0.5, now) < 0  # already behind its target's pace
 
 
 def queued(prompt: int, arrived: float) -> Request:
@@ -112,8 +131,8 @@ def test_an_engine_paces_a_prompt_beside_a_decode_it_cannot_afford(per_token_tar
     engine = Engine(model, pool=KVPool(num_blocks=96, block_size=8),
                     limits=Limits(max_batch_tokens=512, per_token_target=per_token_target), controller=False)
     for tokens in (1, 200) * 16:  # a steep cost line, kept: the engine's own steps do not move it
-        engine.admission.costs.record(tokens, 0.01 * tokens)
-    monkeypatch.setattr(engine.admission.costs, "record", lambda tokens, seconds: None)
+        engine.scheduler.costs.record(tokens, 0.01 * tokens)
+    monkeypatch.setattr(engine.scheduler.costs, "record", lambda tokens, seconds: None)
     sizes = []  # tokens fed to each forward
     hook = model.register_forward_pre_hook(lambda _, args, kwargs: sizes.append(kwargs["input_ids"].shape[1]),
                                            with_kwargs=True)
@@ -249,8 +268,8 @@ def test_an_engine_feeds_two_prompts_in_one_forward_past_its_budget_when_only_th
     limits = Limits(max_batch_tokens=64, ttft_target=1.3, burst_batch_tokens=burst)
     engine = Engine(model, pool=KVPool(num_blocks=64, block_size=8), limits=limits, controller=False)
     for tokens in (1, 200) * 16:  # a steep cost line through the origin, kept
-        engine.admission.costs.record(tokens, 0.01 * tokens)
-    monkeypatch.setattr(engine.admission.costs, "record", lambda tokens, seconds: None)
+        engine.scheduler.costs.record(tokens, 0.01 * tokens)
+    monkeypatch.setattr(engine.scheduler.costs, "record", lambda tokens, seconds: None)
     sizes, release = [], threading.Event()
 
     def forward(_, args, kwargs):

@@ -18,10 +18,10 @@ class Limits:
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
     backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
-    ttft_target: float | None = None  # s; set: admission triages by it (late requests yield, partial chunks wait)
-    # s; set: forwards carrying decodes are paced (see pacing), and with ttft_target and a host tier
-    # decodes yield (see yielding)
-    per_token_target: float | None = None
+    # s; set: a partial prompt chunk waits rather than delay a forward's first tokens (see
+    # scheduler), and a forward may grow to give first tokens in time (see pacing)
+    ttft_target: float | None = None
+    per_token_target: float | None = None  # s; set: forwards carrying decodes are paced (see pacing)
     # with ttft_target, a forward may hold up to this many tokens (at least max_batch_tokens) where
     # only one forward that large gives the prompts in line their first tokens in time (see pacing);
     # None: max_batch_tokens. The load controller sets twice the budget's configured value, its
@@ -52,7 +52,7 @@ class Limits:
         for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
-        for name, without in (("ttft_target", "no triage"), ("per_token_target", "no pacing, no yielding")):
+        for name, without in (("ttft_target", "no target-driven admission"), ("per_token_target", "no pacing")):
             value = getattr(self, name)
             if value is not None and not 0 < value < math.inf:  # NaN fails the comparison too
                 raise ValueError(f"Limits.{name} must be a finite number of seconds > 0 (or None: {without}), "

@@ -32,16 +32,13 @@ engine stops, every knob returns to its configured value (the pool's knobs serve
 and later engines too).
 
 With the controller, the engine also admits by the time-to-first-token target
-(`Limits.ttft_target`, set to `SLO.ttft` unless given): a waiting request that can no longer meet
-it yields, for a bounded time, to those that still can (the order changes only when the queue
-is already late), and a forward that already ends prompts starts no other with a partial chunk
-that would delay their first tokens by more than a tenth of the target. It also sets
-`Limits.per_token_target` from `SLO.per_token`: with a host tier, running decodes with slack
-against it yield their memory to first tokens (`yielding`); those preemptions are chosen, not
-memory running out, and do not count as pressure. And forwards that carry decodes hold only the
-prompt tokens those decodes can afford against the target, unless only one whole forward gives
-the prompts in line their first tokens in time; there a forward may also pass the batch budget,
-up to `Limits.burst_batch_tokens`, which it sets to twice the budget's configured value (`pacing`).
+(`Limits.ttft_target`, set to `SLO.ttft` unless given): a forward that already ends prompts
+starts no other with a partial chunk that would delay their first tokens by more than a tenth of
+the target. It also sets `Limits.per_token_target` from `SLO.per_token`: forwards that carry
+decodes hold only the prompt tokens those decodes can afford against the target, unless only one
+whole forward gives the prompts in line their first tokens in time; there a forward may also
+pass the batch budget, up to `Limits.burst_batch_tokens`, which it sets to twice the budget's
+configured value (`pacing`).
 
     >>> Engine(model, pool=pool, controller=True, slo=SLO(ttft=2.0, per_token=0.25))
 """

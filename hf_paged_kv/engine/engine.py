@@ -7,9 +7,11 @@
     ...     print(tokenizer.decode(handle.result()))
     >>> engine.stats()["max_running"], engine.prometheus()
 
-One scheduler thread runs the loop: take new and cancelled requests, choose the next forward's
-sequences (`Scheduler`), run one packed forward (`runner`), sample each row with its own
-parameters, stream the tokens, finish and release. Requests join and leave between forwards.
+One thread runs the loop. Each step: take in new and cancelled requests, let the scheduler plan
+the step (`Scheduler.schedule`: which sequences run, how many tokens each feeds, who was
+preempted or admitted), run one packed forward (`runner`), sample each row with its own
+parameters, stream the tokens, and end the requests that are done. Requests join and leave
+between forwards.
 The pool, its reuse index, pins and tiers are the ones `generate` uses, so the engine and
 `generate` share cached prefixes.
 """
@@ -31,8 +33,7 @@ from ..advisor import Advice, advise_block_size
 from ..errors import PagedKVError, UnsupportedModelError
 from ..integration import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
 from ..pool import KVPool
-from . import openmp, pacing, runner
-from .admission import Admission
+from . import openmp, runner
 from .controller import SLO, Thresholds
 from .load import LoadControl
 from .metrics import EngineMetrics
@@ -40,7 +41,7 @@ from .outcomes import Outcomes
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
 from .config import Limits
-from .scheduler import Scheduler
+from .scheduler import Schedule, Scheduler
 
 log = logging.getLogger("hf_paged_kv.engine")
 IDLE_WAIT = 0.05  # seconds the loop sleeps when there is nothing to do
@@ -88,12 +89,9 @@ class Engine:
         self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
                                                             max_waiting=max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)
-        self.admission = Admission(self.pool, self.scheduler)
         self.metrics = EngineMetrics()
         self.load = LoadControl(self, slo is not None if controller is None else controller, slo, thresholds)
-        self.admission.on_admit = lambda waited: self.load.signals.record("queue_wait", waited)
-        self.outcomes = Outcomes(self)
-        self.admission.on_impossible = self.outcomes.cannot_fit
+        self.outcomes = Outcomes(self.scheduler, self.metrics, self.load)
         self.incoming: queue.Queue = queue.Queue()  # a Queue: retry_after reads what it holds
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
@@ -226,7 +224,7 @@ class Engine:
             while not self.incoming.empty():
                 request = self.incoming.get()
                 if request.outcome is None:  # cancelled between submit and intake: it has ended already
-                    self.scheduler.enqueue(request)
+                    self.scheduler.add(request)
         while not self.cancelled.empty():
             request = self.cancelled.get()
             if request.outcome is None:
@@ -237,32 +235,29 @@ class Engine:
         if not (self.scheduler.waiting or self.scheduler.running):
             return False
         started = time.perf_counter()
-        preemptions = self.metrics.counters["preemptions"]
-        # with a TTFT target, the budget reads the prompts in line in admission's order
-        line = self.admission.in_turn() if self.limits.ttft_target is not None else self.scheduler.waiting
-        budget = pacing.step_budget(self.scheduler.running, line, self.limits, self.admission.costs,
-                                    uncached=self.admission.uncached)
-        batch = self.scheduler.continuing(budget)
-        batch = self.scheduler.grow(batch, self._preempt)  # the batch's requests run: one of them can give way
-        if self.metrics.counters["preemptions"] == preemptions:  # no admission in a step that preempted
-            self.metrics.count("tokens_prefetched", self.admission.prefetch(self.limits.prefetch_depth,
-                                                                            self.limits.prefetch_watermark))
-            budget -= sum(n for _, n in batch)
-            ends_prompts = any(request.ends_prompt(n) for request, n in batch)
-            admitted = self.admission.admit(budget, current_fingerprint(self.model, max_age=1.0, look=True)
-                                            if self.scheduler.waiting else None, self.metrics, ends_prompts)
-            # decodes that yielded their memory to a first token (see yielding) leave this forward
-            running = set(self.scheduler.running)
-            batch = [(request, n) for request, n in batch + admitted if request in running]
-        if not batch:
+        model = current_fingerprint(self.model, max_age=1.0, look=True) if self.scheduler.waiting else None
+        plan = self.scheduler.schedule(model)
+        self._account(plan)
+        if not plan.batch:
             return False
-        whole = self._forward(batch)
-        self.scheduler.decay()
+        whole = self._forward(plan.batch)
         seconds = time.perf_counter() - started
+        self.scheduler.stepped(sum(n for _, n in plan.batch), seconds, whole)
         self.metrics.stepped(seconds)
-        if whole:  # a step that ran its rows one by one would inflate what a token costs
-            self.admission.costs.record(sum(n for _, n in batch), seconds)
         return True
+
+    def _account(self, plan: Schedule) -> None:
+        """Count what the plan did besides its batch, and end the requests no pool could hold."""
+        for _, mode in plan.preempted:
+            self.load.signals.record("preemption")
+            self.metrics.preempted(mode)
+        for request in plan.admitted:
+            self.metrics.admitted(request)
+            self.load.signals.record("queue_wait", request.admitted - request.arrived)
+        self.metrics.inherited(plan.inherited)
+        self.metrics.count("tokens_prefetched", plan.prefetched)
+        for request, reason in plan.impossible:
+            self.outcomes.cannot_fit(request, reason)
 
     def _forward(self, batch: list[tuple[Request, int]]) -> bool:
         """Run, commit and sample `batch`; False when it failed (and its rows ran one by one)."""
@@ -277,7 +272,7 @@ class Engine:
             return False
         self.metrics.forward(batch, *runner.token_kinds(batch), len(self.scheduler.running))
         runner.commit(batch)
-        self.admission.indexed(batch)
+        self.scheduler.committed(batch)
         now = time.monotonic()
         for request, token in zip(sampling, sample(logits, sampling)):
             if isinstance(token, Exception):
@@ -285,10 +280,6 @@ class Engine:
             else:
                 self.outcomes.emit(request, token, now)
         return True
-
-    def _preempt(self, request: Request) -> None:
-        self.load.signals.record("preemption")
-        self.metrics.preempted(self.admission.preemption.preempt(request))
 
     # ---------------------------------------------------------------- stats
     def stats(self) -> dict:
@@ -302,7 +293,7 @@ class Engine:
     def advise_block_size(self, shared_prefix_lengths=()) -> Advice:
         """The block size the observed sequence lengths suggest for the next start (see
         `hf_paged_kv.advisor`); a live pool keeps its own."""
-        return advise_block_size(self.admission.lengths or [1], shared_prefix_lengths)
+        return advise_block_size(self.scheduler.lengths or [1], shared_prefix_lengths)
 
     def prometheus(self) -> str:
         """The metrics in Prometheus' text exposition format."""

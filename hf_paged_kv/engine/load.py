@@ -35,9 +35,9 @@ class LoadControl:
         self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
         self.sets_burst = False  # whether `Limits.burst_batch_tokens` is the controller's to set
         if self.controller is not None:
-            if engine.limits.ttft_target is None:  # admission triages by the target (see Admission)
+            if engine.limits.ttft_target is None:  # partial chunks wait for it (see scheduler), bursts (pacing)
                 engine.limits.ttft_target = slo.ttft
-            if engine.limits.per_token_target is None:  # forwards are paced (pacing), decodes yield (yielding)
+            if engine.limits.per_token_target is None:  # forwards are paced (pacing)
                 engine.limits.per_token_target = slo.per_token
             # a forward may grow to give first tokens in time (pacing), up to the budget knob's bound:
             # twice its configured value, followed when a user changes that value
@@ -99,7 +99,7 @@ class LoadControl:
         waiting = [*self.engine.scheduler.waiting, *self.engine.incoming.queue.copy()]  # the loop may not have taken them in
         first = [r for r in waiting if r is not besides][:ahead]
         work = sum(r.remaining + r.params.max_new_tokens for r in first)
-        throughput = self.engine.admission.costs.throughput()
+        throughput = self.engine.scheduler.costs.throughput()
         return max(0.1, work / throughput) if throughput > 0 else 5.0
 
     def refuses(self, priority: int) -> bool:

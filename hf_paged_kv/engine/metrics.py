@@ -15,7 +15,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 OUTCOMES = ("finished", "rejected", "cancelled", "failed")
 COUNTERS = (*(f"requests_{outcome}" for outcome in OUTCOMES), "preemptions",
-            "preemptions_for_first_tokens", "max_running", "tokens_prefilled", "tokens_inherited",
+            "max_running", "tokens_prefilled", "tokens_inherited",
             "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps", "controller_faults")
 
 
@@ -47,8 +47,8 @@ class EngineMetrics:
         self.requests = counter("requests", "Finished requests by outcome", ["outcome"])
         for outcome in OUTCOMES:  # every series from the start, at 0: a rate() or an alert on it works at once
             self.requests.labels(outcome)
-        self.preemptions = counter("preemptions", "Preemptions by mode, and why: memory ran out, or a decode "
-                                   "yielded its memory to a first token", ["mode", "reason"])
+        self.preemptions = counter("preemptions", "Running sequences sent back to the queue because memory ran out, "
+                                   "by how their partial last block is kept (swap or recompute)", ["mode"])
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens by where their KV came from (recomputed: "
                                      "computed again after a preemption)", ["source"])
         self.generated = counter("generated_tokens", "Tokens generated")
@@ -119,11 +119,9 @@ class EngineMetrics:
         self.count("steps")
         self.step.observe(seconds)
 
-    def preempted(self, mode: str, yielding: bool = False) -> None:
+    def preempted(self, mode: str) -> None:
         self.count("preemptions")
-        if yielding:
-            self.count("preemptions_for_first_tokens")
-        self.preemptions.labels(mode, "first_token" if yielding else "memory").inc()
+        self.preemptions.labels(mode).inc()
 
     # ----------------------------------------------------------- levels
     def observe(self, stats: dict) -> None:

@@ -1,8 +1,8 @@
 """How a request's tokens reach its reader, and how its life ends.
 
-Every end goes through `Outcomes.end`: the request leaves the queues, its blocks go back to the
-pool (full ones stay cached), the counters and the load controller learn the outcome, and its
-stream closes, whatever failed on the way, so that no reader waits forever.
+Every end goes through `Outcomes.end`: the scheduler takes the request out of its queues and
+releases its blocks (full ones stay cached), the counters and the load controller learn the
+outcome, and its stream closes, whatever failed on the way, so that no reader waits forever.
 """
 
 from __future__ import annotations
@@ -11,15 +11,16 @@ import logging
 import time
 
 from ..errors import Overloaded
-from ..sequence import Sequence
+from .metrics import EngineMetrics
 from .request import Request, RequestFailed
+from .scheduler import Scheduler
 
 log = logging.getLogger("hf_paged_kv.engine")
 
 
 class Outcomes:
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, scheduler: Scheduler, metrics: EngineMetrics, load):
+        self.scheduler, self.metrics, self.load = scheduler, metrics, load
 
     def emit(self, request: Request, token: int, now: float) -> None:
         """Stream a sampled token; the request ends at its EOS or its max_new_tokens."""
@@ -28,28 +29,22 @@ class Outcomes:
             return
         request.generated.append(token)
         request.stream.push(token)
-        self.engine.metrics.token(request, now)
+        self.metrics.token(request, now)
         if request.first_token is None:
             request.first_token = now
-            self.engine.load.signals.record("ttft", now - request.arrived, now)
+            self.load.signals.record("ttft", now - request.arrived, now)
         request.last_token = now
         if token in request.params.eos_token_id or len(request.generated) >= request.params.max_new_tokens:
             self.end(request, "finished")
 
     def end(self, request: Request, outcome: str, error: BaseException | None = None) -> None:
         """Release the request's blocks (full ones stay cached) and close its stream."""
-        engine = self.engine
         try:
-            engine.scheduler.remove(request)
-            if request.sequence.blocks:
-                engine.pool.decref(request.sequence.blocks)
-            request.sequence, request.swapped = Sequence(), None
+            self.scheduler.finish(request, outcome)
             request.finished = time.monotonic()
-            engine.metrics.ended(request, outcome)
+            self.metrics.ended(request, outcome)
             if outcome == "finished":
-                engine.load.finished(request)
-                engine.scheduler.finished(request)
-                engine.admission.lengths.append(len(request.prompt) + len(request.generated))
+                self.load.finished(request)
         finally:  # whatever failed above, it has ended and its reader must not wait forever
             request.outcome = request.outcome or outcome
             request.stream.close(error)
@@ -57,7 +52,7 @@ class Outcomes:
     def end_all(self, outcome: str, reason: str | None = None) -> None:
         """End every waiting and running request (failed for `reason`, if given); one that fails
         to end keeps no other open."""
-        for request in self.engine.scheduler.waiting + self.engine.scheduler.running:
+        for request in self.scheduler.waiting + self.scheduler.running:
             try:
                 self.end(request, outcome, reason and RequestFailed(reason))
             except Exception:  # noqa: BLE001 - its stream is closed (see end); the others must end too
@@ -75,7 +70,7 @@ class Outcomes:
 
     def turn_away(self, request: Request) -> None:
         """Refuse a waiting request while overloaded: its stream ends with `Overloaded`."""
-        load = self.engine.load
+        load = self.load
         load.signals.record("rejection")
         ahead = load.staying_ahead(request.effective_priority, besides=request)
         self.end(request, "rejected", Overloaded(load.retry_after(ahead, besides=request),

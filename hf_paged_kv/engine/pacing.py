@@ -33,8 +33,8 @@ tokens, 181 and 110) missed a 0.41 s target by a few hundredths behind a 256-tok
 one forward of all their tokens (0.34-0.38 s) meets. A forward never grows past what one forward
 can compute within the target, so requests arriving during it keep most of theirs.
 
-A decode that admission resumes in the step (after a preemption or yielding its memory) joins
-a forward whose budget was set before it: it is paced from the next step on.
+A decode that admission resumes in the step (after a preemption) joins a forward whose budget
+was set before it: it is paced from the next step on.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from . import yielding
 from .costs import StepCosts
 from .request import Request
 from .config import Limits
@@ -79,12 +78,18 @@ def paced_budget(running: list[Request], decodes: int, limits: Limits, costs: St
     started = [r for r in running if r.first_token is not None and r.remaining == 1]
     if target is None or not started:
         return budget
-    # a step's allowance is each request's slack (see yielding) before the step, or one target since its last token
-    allowance = min(max(target - (now - r.last_token), yielding.slack(r, target, 0.0, now)) for r in started)
+    # a step's allowance is each request's slack before the step, or one target since its last token
+    allowance = min(max(target - (now - r.last_token), slack(r, target, now)) for r in started)
     fits = costs.tokens_within(MARGIN * allowance)
     if fits is None:
         return budget
     return min(budget, max(fits, decodes + MIN_PREFILL))
+
+
+def slack(request: Request, per_token_target: float, now: float) -> float:
+    """Seconds `request` (running, with a first token) could pause now and still meet the
+    per-token target if the token after the pause were its last."""
+    return len(request.generated) * per_token_target - (now - request.first_token)
 
 
 def in_time(running: list[Request], waiting: list[Request], decodes: int, paced: int, limits: Limits,

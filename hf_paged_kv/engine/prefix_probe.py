@@ -1,8 +1,8 @@
 """What of a waiting request's tokens the pool already holds, found without claiming anything.
 
-Admission asks this for every waiting request at every step: how many of its tokens are cached
+The scheduler asks this for every waiting request at every step: how many of its tokens are cached
 on the device (its turn in the queue), which blocks inheriting its prefix would store and where
-they are (the memory rule, yielding, pins), and the digests of the blocks it will compute (the
+they are (the memory rule, pins), and the digests of the blocks it will compute (the
 requests that share them wait for it). Nothing is referenced, touched or moved; callers hold
 the pool's lock.
 """

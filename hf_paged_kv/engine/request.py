@@ -151,7 +151,6 @@ class Request:
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
     swapped: tuple | None = None  # while preempted: (weights' fingerprint, tokens, its partial block's K/V on the host)
-    yielded: bool = False  # waiting after making room for another's first token (see `yielding`)
 
     def __post_init__(self):
         # checked in the submitter's thread: a bad value found by the engine's thread would fail

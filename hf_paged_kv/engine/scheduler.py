@@ -1,38 +1,82 @@
-"""Which sequences run in the next forward, which wait, and which give way.
+"""The engine's one scheduler: it alone holds the waiting and running queues, and each step it
+returns the step's plan – which sequences run and how many tokens each feeds, which were
+preempted, which were admitted – under one token budget, a cap on running sequences and the
+pool's free blocks. Decodes, prefill chunks and new prompts share the budget; there are no
+separate prefill and decode phases.
 
-Every step takes, within a token budget: the decode step of every running sequence, then the
-next chunk of the prefills in progress, then new requests. A new request is admitted only if
-the pool's free and evictable blocks cover its uncached tokens plus a reserve for the running
-sequences' growth – an estimated share (`growth_ratio`) of their remaining `max_new_tokens`,
-which decays while memory holds and is reset by a preemption (SGLang's rule) and is capped by
-the share that finished requests did generate (see `growth`), each request's counted up to
-`Limits.growth_clip` tokens and `MAX_GROWTH_SHARE` of the pool – and never in a step that
-preempted. Waiting requests are admitted by priority, then shortest expected prompt
-first with aging, and, given a time-to-first-token target, those that can still meet it before
-those that cannot, and in a forward that already ends prompts no other prompt starts with a
-partial chunk that would delay their first tokens by more than a tenth of the target (see
-`Admission`). A request whose prompt continues a prefix that a running
-prefill is about to compute waits for those blocks and inherits them instead of computing them
-twice.
+    scheduler.add(request)                      # the engine's intake
+    plan = scheduler.schedule(model)            # `model`: the weights' fingerprint
+    ...                                         # one forward of plan.batch, then sampling
+    scheduler.committed(plan.batch)             # their newly full blocks become reusable
+    scheduler.stepped(tokens, seconds, whole)   # what the step cost
+    scheduler.finish(request, "finished")       # it leaves the queues; its KV is released
 
-When a running sequence needs a block and the pool has none to give, the scheduler preempts a
-victim – lowest priority first, then the cheapest to resume – instead of failing: its full
-blocks stay cached for its return, its partial last block is kept in host memory when copying
-it back is cheaper than recomputing it, and it goes back to the queue with its priority raised
-by one (so a request cannot be preempted forever).
+One step, in `schedule`:
+
+1. The budget: `Limits.max_batch_tokens`, paced against latency targets when they are set
+   (`pacing`).
+2. Every running decode, then the next chunk of each running prefill.
+3. Their blocks. Where the pool has none to give, a running sequence is preempted instead of
+   failing (`preempt`): the lowest priority first, then the cheapest to resume.
+4. Only in a step that preempted nothing: the next waiting requests' prefixes come back from the
+   host or disk tier into free blocks (prefetch), then waiting requests are admitted in turn
+   while the budget, `Limits.max_running` and memory allow.
+
+Memory rule: a request is admitted only if the free and evictable blocks cover its uncached
+tokens plus a reserve for the running sequences' growth (`reserve`: an estimated share of their
+remaining `max_new_tokens`, see `growth`) and the `Limits.watermark`. When memory turns a request
+away, later requests of its priority that fit may pass it while it has waited less than
+`Limits.backfill_wait`; after that, and by a lower priority, it is never passed.
+
+Turn: by priority, then by when the prompt would be in had it started at arrival (arrival +
+uncached tokens x recent seconds per token): a burst's short prompts first, while a long prompt
+is passed only by requests that arrived less than its own compute time after it.
+
+A request whose prompt continues a prefix that a running prefill is computing waits for those
+blocks and inherits them instead of computing them twice. A preempted request keeps its full
+blocks cached (indexed as soon as they fill) and its partial last block on the host when copying
+it back is cheaper than recomputing it; it returns to the queue with its priority raised by one,
+so none is preempted forever, and resumes with exactly the KV it had.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
-from . import yielding
+from ..sequence import Sequence
+from . import pacing
 from .config import Limits
+from .costs import StepCosts
 from .growth import GrowthShare
+from .prefix_probe import PrefixProbe
 from .request import Request
 
+log = logging.getLogger("hf_paged_kv.engine")
 
-MAX_GROWTH_SHARE = 0.125  # of the pool: the most one request's growth reserve counts (see Scheduler._growth)
+MAX_GROWTH_SHARE = 0.125  # of the pool: the most one request's growth reserve counts (see `clipped`)
+# the share of the time-to-first-token target by which a partial prompt chunk may delay the first
+# tokens of its forward; a longer delay defers the chunk to a later forward (see `_admit`)
+PARTIAL_DELAY = 0.1
+DEFERRED = 0  # `_try`'s answer for such a chunk (a chunk it admits has at least a token)
+
+
+@dataclass
+class Schedule:
+    """One step's plan, as `Scheduler.schedule` returns it."""
+
+    batch: list[tuple[Request, int]] = field(default_factory=list)  # who runs, and how many tokens each feeds
+    admitted: list[Request] = field(default_factory=list)  # admitted for the first time (not resumed)
+    preempted: list[tuple[Request, str]] = field(default_factory=list)  # and how: "swap" or "recompute"
+    impossible: list[tuple[Request, str]] = field(default_factory=list)  # no pool state can hold them: why
+    inherited: int = 0  # prompt tokens the admissions inherited that no forward of theirs computed
+    prefetched: int = 0  # tokens brought back from the host or disk tier ahead of their turn
 
 
 class Scheduler:
@@ -41,27 +85,80 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.growth = GrowthShare(limits)
+        self.costs = StepCosts()
+        self.prefixes = PrefixProbe(pool)
         self.inflight: dict[bytes, Request] = {}  # digests of blocks a running prefill will index
+        self.copy_seconds_per_block = 0.0  # the last swap's cost, weighed against recomputing
+        self.lengths: deque = deque(maxlen=10_000)  # finished sequences' lengths, for block size advice
 
     # ------------------------------------------------------------ queues
-    def enqueue(self, request: Request) -> None:
-        """Insert by priority (preempted requests carry theirs raised), then arrival."""
+    def add(self, request: Request) -> None:
+        """Queue by priority (preempted requests carry theirs raised), then arrival."""
         key = (-request.effective_priority, request.arrived)
         index = next((i for i, r in enumerate(self.waiting) if (-r.effective_priority, r.arrived) > key),
                      len(self.waiting))
         self.waiting.insert(index, request)
 
-    def remove(self, request: Request) -> None:
+    def finish(self, request: Request, outcome: str) -> None:
+        """The request leaves the queues and its KV is released (full blocks stay cached); a
+        finished one's share of its allowance goes into the growth estimate."""
+        self._remove(request)
+        if request.sequence.blocks:
+            self.pool.decref(request.sequence.blocks)
+        request.sequence, request.swapped = Sequence(), None
+        if outcome == "finished":
+            allowance = self.clipped(request.params.max_new_tokens)
+            self.growth.finished(min(1.0, len(request.generated) / allowance))
+            self.lengths.append(len(request.prompt) + len(request.generated))
+
+    def _remove(self, request: Request) -> None:
         for queue in (self.waiting, self.running):
             if request in queue:
                 queue.remove(request)
-        self.forget_inflight(request)
-
-    def forget_inflight(self, request: Request) -> None:
         self.inflight = {d: r for d, r in self.inflight.items() if r is not request}
 
-    # ----------------------------------------------------------- choosing
-    def continuing(self, budget: int) -> list[tuple[Request, int]]:
+    # -------------------------------------------------------------- step
+    def schedule(self, model: str | None) -> Schedule:
+        """The next step's plan. `model`: the weights' fingerprint, taken when requests wait (None
+        keeps the last one). Raises `PoolExhaustedError` only when the running sequences' next
+        tokens cannot fit even with every other one preempted."""
+        plan = Schedule()
+        if model is not None:
+            self.prefixes.model = model
+        budget = self._budget()
+        batch = self._grow(self._continuing(budget), plan)
+        if not plan.preempted:  # admitting now would take the room the preemption just made
+            plan.prefetched = self._prefetch()
+            ends_prompts = any(request.ends_prompt(n) for request, n in batch)
+            batch += self._admit(budget - sum(n for _, n in batch), ends_prompts, plan)
+        plan.batch = batch
+        return plan
+
+    def committed(self, batch: list[tuple[Request, int]]) -> None:
+        """After a forward: index the sequences' newly full blocks, so that waiting requests sharing
+        them inherit them; those blocks are no longer in flight."""
+        with self.pool.locked():
+            for request, _ in batch:
+                if request.outcome is None:
+                    self.pool.reuse.index_sequence(self.prefixes.model, request.tenant, request.sequence,
+                                                   request.priority)
+            now = self.pool.policy.now()
+            self.inflight = {d: r for d, r in self.inflight.items()
+                             if r.outcome is None and self.pool.reuse.index.lookup(d, now) is None}
+
+    def stepped(self, tokens: int, seconds: float, whole: bool) -> None:
+        """A step ran `tokens` in `seconds`: the growth share decays (a preemption resets it); its
+        cost is recorded when it ran as one forward (`whole`), not row by row after a failure."""
+        self.growth.step()
+        if whole:
+            self.costs.record(tokens, seconds)
+
+    def _budget(self) -> int:
+        # with a TTFT target, the budget reads the prompts in line in admission's order
+        line = self.in_turn() if self.limits.ttft_target is not None else self.waiting
+        return pacing.step_budget(self.running, line, self.limits, self.costs, uncached=self.uncached)
+
+    def _continuing(self, budget: int) -> list[tuple[Request, int]]:
         """The running sequences' tokens for this step: every decode, then prefill chunks."""
         decodes = [(r, 1) for r in self.running if r.remaining == 1]
         budget -= len(decodes)
@@ -72,14 +169,34 @@ class Scheduler:
                 budget -= chunks[-1][1]
         return decodes + chunks
 
+    def _grow(self, batch: list[tuple[Request, int]], plan: Schedule) -> list[tuple[Request, int]]:
+        """Allocate the blocks `batch` needs, preempting victims until it fits; what is left of it."""
+        while batch:
+            try:
+                self.pool.grow([r.sequence for r, _ in batch], [n for _, n in batch])
+                return batch
+            except PoolExhaustedError:
+                victim = self._victim()
+                if victim is None:
+                    raise
+                plan.preempted.append((victim, self.preempt(victim)))
+                self.growth.preempted()
+                batch = [(r, n) for r, n in batch if r is not victim]
+        return batch
+
+    def _victim(self) -> Request | None:
+        """Lowest priority first, then the cheapest to resume (fewest tokens stored)."""
+        if not self.running:
+            return None
+        return min(self.running, key=lambda r: (r.effective_priority, r.computed, -r.arrived))
+
+    # ------------------------------------------------------------ memory
     def reserve(self) -> int:
-        """Blocks to keep for the running sequences' growth: their unfed tokens, and a share of
-        what they may still generate."""
+        """Blocks kept for the running sequences' growth: their unfed tokens, and a share of what
+        they may still generate."""
         return int(sum(self._growth(request) for request in self.running)) + len(self.running)
 
     def _growth(self, request: Request) -> float:
-        """Blocks the request may still need: its unfed tokens, and the growth share of what it
-        may still generate."""
         to_generate = self.clipped(request.params.max_new_tokens - len(request.generated))
         return (request.remaining + self.growth.ratio * to_generate) / self.pool.block_size
 
@@ -92,12 +209,7 @@ class Scheduler:
         pool_tokens = self.pool.num_blocks * self.pool.block_size
         return min(tokens, self.limits.growth_clip, int(MAX_GROWTH_SHARE * pool_tokens))
 
-    def finished(self, request: Request) -> None:
-        """A request finished: the share of its allowance it generated goes into the estimate."""
-        allowance = self.clipped(request.params.max_new_tokens)
-        self.growth.finished(min(1.0, len(request.generated) / allowance))
-
-    def shortfall(self, request: Request, inherited_blocks: int) -> int:
+    def _shortfall(self, request: Request, inherited_blocks: int) -> int:
         """Blocks that memory lacks for the request's uncached tokens and the running ones'
         reserve (<= 0: it fits)."""
         needed = request.blocks_needed(self.pool.block_size) - inherited_blocks
@@ -106,65 +218,201 @@ class Scheduler:
         keep_free = int(self.limits.watermark * self.pool.num_blocks) if self.running else 0
         return needed + self.reserve() + keep_free - self.pool.num_available()
 
-    def admissible(self, request: Request, inherited_blocks: int) -> bool:
-        """Whether memory covers the request's uncached tokens and the running ones' reserve."""
-        return self.shortfall(request, inherited_blocks) <= 0
+    def _fits_inheriting(self, request: Request, prefix: list[int]) -> bool:
+        """The memory rule for a request that would inherit the device blocks `prefix`: inheriting
+        a block that a sequence holds spares it a block; an idle cached one (already counted as
+        available) or one in a lower tier spares nothing."""
+        return self._shortfall(request, self.pool.allocator.referenced(prefix)) <= 0
 
-    def shortfall_inheriting(self, request: Request, prefix: list[int]) -> int:
-        """`shortfall` for a request that would inherit the device blocks `prefix`: inheriting a
-        block that a sequence holds spares the request a block; an idle cached one (already
-        counted as available) or one in a lower tier spares nothing."""
-        return self.shortfall(request, self.pool.allocator.referenced(prefix))
+    # --------------------------------------------------------- admission
+    def in_turn(self) -> list[Request]:
+        """The waiting requests by priority, then by when their prompt would be in had it started
+        at arrival (arrival + uncached tokens x recent seconds per token)."""
+        per_token = self.costs.seconds_per_token()
+        if per_token == 0.0 or len(self.waiting) < 2:
+            return list(self.waiting)
+        with self.pool.locked():  # the probes read the pool's index
+            return sorted(self.waiting, key=lambda r: (-r.effective_priority,
+                                                       r.arrived + self.prefixes.uncached(r) * per_token))
 
-    def yielders(self, request: Request, prefix: list[int], protected: set[Request], step_seconds: float,
-                 now: float) -> list[Request]:
-        """The running decodes (other than `protected` ones) to swap out so that `request` fits
-        (see `yielding`); none when they cannot make the room or decodes never yield (no
-        per-token or first-token target). `prefix`: the device blocks `request` would inherit."""
-        limits = self.limits
-        if limits.per_token_target is None or limits.ttft_target is None:
-            return []
-        kept = set(prefix)
+    def uncached(self, request: Request) -> int:
+        """The tokens of a waiting request that its prefill would compute now (those not cached in
+        the device pool)."""
         with self.pool.locked():
-            shortfall = self.shortfall_inheriting(request, prefix)
+            return self.prefixes.uncached(request)
 
-            def frees(victim: Request) -> int:  # blocks it alone holds outside the prefix, and its reserve share
-                released = [block for block in victim.sequence.blocks if block not in kept]
-                return self.pool.allocator.held_alone(released) + int(self._growth(victim)) + 1
+    def _admit(self, budget: int, ends_prompts: bool, plan: Schedule) -> list[tuple[Request, int]]:
+        """Admit waiting requests in turn while the budget, `max_running` and the memory rule
+        allow (see the module docstring for who may pass a request memory turns away).
 
-            candidates = [r for r in self.running if r not in protected]
-            return yielding.victims(candidates, request, shortfall, frees, limits.per_token_target,
-                                    yielding.MIN_SLACK * limits.ttft_target, step_seconds, now)
+        With a time-to-first-token target (`Limits.ttft_target`), a new prompt that would only
+        start in a forward that already ends some prompt (`ends_prompts`) waits for a later
+        forward when its partial chunk would delay their first tokens by more than
+        `PARTIAL_DELAY` targets (at the marginal cost of a token); nothing behind it is admitted
+        in this step."""
+        with self.pool.locked():  # no other thread changes the pool between this step's probes and claims
+            admitted, blocked = [], None
+            target = self.limits.ttft_target
+            # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
+            per_token = self.costs.marginal_seconds_per_token() if target is not None and self.waiting else 0.0
+            self.prefixes.keep_only(self.waiting)
+            pinned = self.pool.reuse.pins.pinned_blocks()
+            for request in self.in_turn():
+                if budget <= 0 or len(self.running) >= self.limits.max_running:
+                    break
+                if blocked is not None and request.effective_priority < blocked.effective_priority:
+                    break
+                if self.inflight and any(d in self.inflight for d in self.prefixes.chain(request)):
+                    continue  # another request is computing its prefix: it inherits it next step
+                impossible = self._why_never_fits(request, pinned)
+                if impossible:
+                    self._remove(request)
+                    plan.impossible.append((request, impossible))
+                    continue
+                whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
+                count = self._try(request, budget, whole)
+                if count == DEFERRED:
+                    break
+                if count is None:
+                    blocked = blocked or request
+                    if time.monotonic() - blocked.arrived >= self.limits.backfill_wait:
+                        break
+                    continue
+                self.waiting.remove(request)
+                self.running.append(request)
+                # a preempted request coming back inherits its own blocks, and those another computed
+                # meanwhile past the tokens it had reached (a prefill preempted midway)
+                plan.inherited += max(0, request.inherited - request.reached)
+                request.reached = max(request.reached, request.computed)
+                if request.admitted is None:
+                    request.admitted = time.monotonic()
+                    plan.admitted.append(request)
+                admitted.append((request, count))
+                budget -= count
+                ends_prompts = ends_prompts or request.ends_prompt(count)
+            return admitted
 
-    def room_for_more(self, budget: int) -> bool:
-        return budget > 0 and len(self.running) < self.limits.max_running
-
-    def waits_for_inflight(self, digests: list[bytes]) -> bool:
-        """Whether a running prefill is about to index one of these blocks."""
-        return any(d in self.inflight for d in digests)
-
-    def decay(self) -> None:
-        self.growth.step()
-
-    # ----------------------------------------------------------- memory
-    def grow(self, batch: list[tuple[Request, int]], preempt) -> list[tuple[Request, int]]:
-        """Allocate the blocks `batch` needs, preempting victims (via `preempt(request)`) until
-        it fits; returns what is left of the batch."""
-        while batch:
-            try:
-                self.pool.grow([r.sequence for r, _ in batch], [n for _, n in batch])
-                return batch
-            except PoolExhaustedError:
-                victim = self.victim()
-                if victim is None:
-                    raise
-                preempt(victim)
-                self.growth.preempted()
-                batch = [(r, n) for r, n in batch if r is not victim]
-        return batch
-
-    def victim(self) -> Request | None:
-        """Lowest priority first, then the cheapest to resume (fewest tokens stored)."""
-        if not self.running:
+    def _why_never_fits(self, request: Request, pinned: set[int]) -> str | None:
+        """Why the request's tokens can never fit: more blocks than the pool holds besides the
+        `pinned` blocks it would not inherit (None when they fit). Automatic (hot) pins give way
+        to it: they are a cache policy."""
+        size, total = self.pool.block_size, self.pool.num_blocks
+        needed = request.blocks_needed(size)
+        if needed <= total - len(pinned):
             return None
-        return min(self.running, key=lambda r: (r.effective_priority, r.computed, -r.arrived))
+        shared = set(self.prefixes.stored(request)[0])  # a pinned prefix it shares costs it nothing
+        others = len(pinned - shared)
+        if needed <= total - others:
+            return None
+        registry = self.pool.reuse.pins
+        if needed <= total - len(registry.pinned_blocks(besides="hot") - shared):
+            registry.forget(lambda pin, blocks: pin.reason == "hot")
+            return None
+        pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""
+        return (f"request {request.id} needs {request.kv_needed()} tokens of KV ({needed} blocks of {size}), "
+                f"more than the pool can hold: {total} blocks{pins}; use a larger KVPool or a shorter request")
+
+    def _try(self, request: Request, budget: int, whole: bool = False) -> int | None:
+        """Attach the cached prefix and the first chunk's blocks; the chunk size, None (and
+        nothing held) when memory does not allow it, or `DEFERRED` (nothing held, touched or
+        moved) when `whole` and a new prompt's uncached part does not fit in `budget`."""
+        tokens = request.tokens()
+        with self.pool.locked():
+            prefix, stored = self.prefixes.stored(request)
+            # probed first: inheriting counts a lookup, touches the blocks, feeds the hot-spot pins
+            # and promotes from the tiers, which a request that memory turns away every step must not
+            fits = self._fits_inheriting(request, prefix)
+            if whole and not request.generated and len(tokens) - stored > budget:
+                return DEFERRED if fits else None
+            if not fits:
+                return None
+            model = self.prefixes.model
+            blocks, length = self.pool.reuse.inherit(
+                model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
+                lambda digest, after: self.pool.promote(digest, model, after))
+            if self._shortfall(request, len(blocks)) > 0:  # the probe's answer, unless a promotion failed
+                self.pool.decref(blocks)
+                return None
+            request.sequence = Sequence(blocks=blocks, length=length, tokens=tokens[:length],
+                                        history=bytearray(b"\x01" * length))
+            swapped = request.swapped
+            try:
+                self._unswap(request)
+                request.computed = request.inherited = request.sequence.length
+                count = min(request.remaining, budget)
+                self.pool.grow([request.sequence], [count])
+            except PoolExhaustedError:  # nothing lost: a preempted request keeps its host copy for the next try
+                self.pool.decref(request.sequence.blocks)
+                request.sequence, request.computed, request.swapped = Sequence(), 0, swapped
+                return None
+            computed_blocks = request.sequence.length // self.pool.block_size
+            for digest in self.prefixes.chain(request)[computed_blocks:]:  # what sharers wait for
+                self.inflight.setdefault(digest, request)
+        return count
+
+    def _prefetch(self) -> int:
+        """Bring the next `Limits.prefetch_depth` waiting requests' prefixes back from the host or
+        disk tier before their turn, only into free blocks above `Limits.prefetch_watermark` (a
+        fraction of the pool), so prefetching never evicts anything. The blocks stay cached,
+        unreferenced; returns the tokens brought back."""
+        model = self.prefixes.model
+        if model is None or self.pool.tiers.empty or not self.waiting:
+            return 0
+        keep_free = int(self.limits.prefetch_watermark * self.pool.num_blocks) + 1
+
+        def promote(digest: bytes, after: int | None):
+            return self.pool.promote(digest, model, after) if self.pool.num_free() > keep_free else None
+
+        brought = 0
+        with self.pool.locked():
+            for request in self.in_turn()[: self.limits.prefetch_depth]:
+                brought += self.pool.reuse.bring_back(model, request.tenant, np.asarray(request.tokens()), promote)
+        return brought
+
+    # -------------------------------------------------------- preemption
+    def preempt(self, request: Request) -> str:
+        """Send a running request back to the queue with its priority raised by one; returns how
+        its partial last block is kept: "swap" (a copy on the host) or "recompute". Its full
+        blocks stay cached for its return."""
+        sequence, size = request.sequence, self.pool.block_size
+        partial = sequence.partial_block(size)
+        mode = "recompute"
+        if partial is not None and self._swap_is_cheaper(sequence.length % size):
+            started = time.perf_counter()
+            # labelled with the weights as admission last took them (the full blocks' index entries
+            # are too): after the weights change it is dropped and the tokens computed again
+            request.swapped = (self.prefixes.model, sequence.length,
+                               [(k.to("cpu", copy=True), v.to("cpu", copy=True))
+                                for k, v in self.pool.block_layers(partial)])
+            self.copy_seconds_per_block = time.perf_counter() - started
+            mode = "swap"
+        self._remove(request)
+        self.pool.decref(sequence.blocks)  # full blocks were indexed: they stay cached
+        request.sequence, request.computed = Sequence(), 0
+        request.preemptions += 1
+        self.add(request)
+        log.info("preempted request %d (%s, %d tokens stored), its priority now %d", request.id, mode,
+                 sequence.length, request.effective_priority)
+        return mode
+
+    def _swap_is_cheaper(self, tokens: int) -> bool:
+        per_token = self.costs.seconds_per_token()
+        return per_token == 0.0 or self.copy_seconds_per_block < tokens * per_token
+
+    def _unswap(self, request: Request) -> None:
+        """Put a preempted request's partial block back, if its full blocks all survived and the
+        weights are those it was computed with."""
+        if request.swapped is None:
+            return
+        model, length, layers = request.swapped
+        request.swapped = None
+        sequence, size = request.sequence, self.pool.block_size
+        if model != self.prefixes.model or sequence.length != length // size * size:
+            return  # new weights, or some full block was evicted meanwhile: recompute from there
+        (block,) = self.pool.allocate(1, after=sequence.blocks[-1] if sequence.blocks else None)
+        for (key, value), (host_key, host_value) in zip(self.pool.block_layers(block), layers):
+            key.copy_(host_key)
+            value.copy_(host_value)
+        sequence.blocks.append(block)
+        sequence.tokens, sequence.length = request.tokens()[:length], length
+        sequence.history = bytearray(b"\x01" * length)
