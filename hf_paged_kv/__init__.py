@@ -9,7 +9,7 @@
 
 from .advisor import advise_block_size
 from .cache import PagedCache
-from .engine import SLO, Engine, Limits, RequestFailed, RequestHandle, Thresholds
+from .engine import SLO, Engine, EngineConfig, Limits, RequestFailed, RequestHandle, Thresholds
 from .errors import (
     CacheReleasedError,
     NotEnabledError,
@@ -41,6 +41,7 @@ __all__ = [
     "PagedCache",
     "KVPool",
     "Engine",
+    "EngineConfig",
     "RequestHandle",
     "RequestFailed",
     "SLO",

@@ -2,7 +2,7 @@
 
     python -m hf_paged_kv.serve --model DIR [--port 8000] [--host 127.0.0.1]
         [--num-blocks N | --max-bytes B] [--block-size 16] [--max-num-batched-tokens 512]
-        [--max-num-seqs 64] [--max-waiting 1024] [--slo-ttft S --slo-tpot S]
+        [--max-num-seqs 64] [--max-waiting 1024] [--max-model-len N] [--slo-ttft S --slo-tpot S]
         [--dtype float32] [--device auto]
     hf-paged-kv-serve --model smollm2          # the packaged SmolLM2-135M-Instruct
 
@@ -12,11 +12,12 @@ ever downloaded. Then, with any OpenAI client:
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.chat.completions.create(model=NAME, messages=[...], stream=True)
 
-`NAME` is `--served-model-name`, by default the directory's name (or "smollm2"). Flags that
-mean what vLLM's mean have vLLM's names (`--max-num-seqs`, `--max-num-batched-tokens`; the
-older `--max-running` and `--max-batch-tokens` still work). Load adaptation (the controller,
-shedding with 429, pacing) runs only with both SLO targets given; without them the engine
-queues up to `--max-waiting` requests and sheds nothing.
+`NAME` is `--served-model-name`, by default the directory's name (or "smollm2"). The engine's
+flags map one to one onto `EngineConfig` (see its docstring), with vLLM's names where the meaning
+is the same (`--max-num-seqs`, `--max-num-batched-tokens`, `--max-model-len`; the older
+`--max-running` and `--max-batch-tokens` still work); the pool's onto `KVPool`. Load adaptation
+(the controller, shedding with 429, pacing) runs only with both SLO targets given; without them
+the engine queues up to `--max-waiting` requests and sheds nothing.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", "--max-running", dest="max_running", type=int, default=64,
                         help="sequences running at once, at most")
     parser.add_argument("--max-waiting", type=int, default=1024, help="queued requests before answering 429")
+    parser.add_argument("--max-model-len", type=int,
+                        help="tokens one request may hold, prompt + max_tokens (default: the model's limit)")
     parser.add_argument("--slo-ttft", type=float, help="target seconds to the first token (with --slo-tpot: "
                         "load adaptation on; without targets nothing is shed or paced)")
     parser.add_argument("--slo-tpot", type=float, help="target seconds per output token after the first")
@@ -56,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     for name in ("port", "num_blocks", "max_bytes", "block_size", "max_batch_tokens", "max_running", "max_waiting",
-                 "default_max_tokens"):
+                 "max_model_len", "default_max_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
@@ -119,18 +122,25 @@ def smollm2_directory() -> Path:
     return path
 
 
+def engine_config(args: argparse.Namespace):
+    """The flags' `EngineConfig`, one flag per field."""
+    from hf_paged_kv import SLO, EngineConfig
+
+    slo = None if args.slo_ttft is None else SLO(ttft=args.slo_ttft, per_token=args.slo_tpot)
+    return EngineConfig(max_num_seqs=args.max_running, max_num_batched_tokens=args.max_batch_tokens,
+                        max_waiting=args.max_waiting, max_model_len=args.max_model_len, slo=slo)
+
+
 def build_app(args: argparse.Namespace):
     """The FastAPI app for these arguments (the model loaded, the engine built, not started)."""
-    from hf_paged_kv import SLO, Engine, KVPool, PagedKVError
+    from hf_paged_kv import Engine, KVPool, PagedKVError
 
     from .engine.server import create_app
 
     model, tokenizer = load(args.model, args.dtype, args.device)
     try:  # options the pool or the engine refuse (a byte budget below one block, ...)
         pool = KVPool(num_blocks=args.num_blocks, max_bytes=args.max_bytes, block_size=args.block_size)
-        slo = None if args.slo_ttft is None else SLO(ttft=args.slo_ttft, per_token=args.slo_tpot)
-        engine = Engine(model, tokenizer=tokenizer, pool=pool, max_running=args.max_running,
-                        max_batch_tokens=args.max_batch_tokens, max_waiting=args.max_waiting, slo=slo)
+        engine = Engine(model, tokenizer=tokenizer, pool=pool, config=engine_config(args))
     except (PagedKVError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)

@@ -19,7 +19,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import Engine, KVPool, Overloaded, PagedKVError, UnsupportedModelError
-from hf_paged_kv.engine import SLO, Limits, RequestFailed, Thresholds
+from hf_paged_kv.engine import SLO, EngineConfig, Limits, RequestFailed, Thresholds
 
 NEW = 10
 
@@ -629,9 +629,9 @@ def test_a_model_whose_rope_scales_with_length_is_served_within_its_original_con
         handles = [engine.submit(p, max_new_tokens=8) for p in prompts] + [engine.submit(prompts[1], max_new_tokens=12)]
         expected = [alone(model, p, new=8) for p in prompts] + [alone(model, prompts[1], new=12)]  # 32: on the limit
         assert [h.result(timeout=60) for h in handles] == expected
-        with pytest.raises(ValueError, match="max_new_tokens=13 pass 32, where this model's RoPE starts to scale"):
+        with pytest.raises(ValueError, match="max_new_tokens=13 pass max_model_len=32: where this model's RoPE starts"):
             engine.submit(prompts[1], max_new_tokens=13)
-        assert engine.max_request_tokens == 32
+        assert engine.max_model_len == 32
         if importlib.util.find_spec("fastapi") is not None:  # the server's default max_tokens fills no more
             from hf_paged_kv.engine.server import OpenAIServer
 
@@ -779,4 +779,26 @@ def test_an_engine_leaves_the_model_as_it_found_it():
     with Engine(model) as third:
         assert third.pool is pool and third.submit(prompt, max_new_tokens=NEW).result(timeout=60) == expected
     assert hf_paged_kv.pool_of(model) is pool
+    hf_paged_kv.disable(model)
+
+
+def test_one_config_object_with_the_older_names_still_taken():
+    """`EngineConfig` holds what a user tunes; fields may come one by one (older names too), a
+    `Limits` given for experiments wins for its sizes, and a wrong name or value is refused."""
+    model = make_model("llama", seed=7)
+    pool = KVPool(num_blocks=32, block_size=8)
+    engine = Engine(model, pool=pool, config=EngineConfig(max_num_seqs=3, max_model_len=40), max_waiting=5)
+    assert (engine.limits.max_running, engine.limits.max_batch_tokens, engine.limits.max_waiting) == (3, 512, 5)
+    assert engine.config == EngineConfig(max_num_seqs=3, max_model_len=40, max_waiting=5)
+    assert Engine(model, max_running=2, max_batch_tokens=16).config.max_num_batched_tokens == 16
+    assert Engine(model, limits=Limits(max_running=9), max_num_seqs=2).config.max_num_seqs == 9
+    with pytest.raises(TypeError, match="unknown settings \\['max_runing'\\]"):
+        Engine(model, max_runing=2)
+    for wrong in (dict(max_num_seqs=0), dict(max_model_len=2.5), dict(backend="cuda"), dict(slo=2.0)):
+        with pytest.raises(ValueError, match="EngineConfig"):
+            EngineConfig(**wrong)
+    with engine:
+        with pytest.raises(ValueError, match="max_new_tokens=10 pass max_model_len=40: the engine's configured limit"):
+            engine.submit(list(range(3, 34)), max_new_tokens=10)
+        assert engine.submit(list(range(3, 33)), max_new_tokens=8).result(timeout=60)
     hf_paged_kv.disable(model)

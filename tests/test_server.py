@@ -555,7 +555,7 @@ class ScriptedEngine:
         embeddings = SimpleNamespace(num_embeddings=VOCAB)
         self.model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=256),
                                      get_input_embeddings=lambda: embeddings)
-        self.thread, self.accepting, self.next, self.max_request_tokens = None, False, None, None
+        self.thread, self.accepting, self.next, self.max_model_len = None, False, None, None
 
     def start(self):
         self.thread, self.accepting = SimpleNamespace(is_alive=lambda: True), True
@@ -653,11 +653,18 @@ def test_serve_takes_vllms_flag_names_and_slo_targets(tmp_path, capsys):
     make_model("llama", seed=13).save_pretrained(tmp_path / "tiny")
     word_tokenizer().save_pretrained(tmp_path / "tiny")
     args = serve.parse_args(["--model", str(tmp_path / "tiny"), "--max-num-seqs", "4", "--max-num-batched-tokens",
-                             "64", "--slo-ttft", "1.5", "--slo-tpot", "0.2", "--num-blocks", "32", "--device", "cpu"])
-    assert (args.max_running, args.max_batch_tokens, args.slo_ttft, args.slo_tpot) == (4, 64, 1.5, 0.2)
-    engine = serve.build_app(args).state.engine
-    assert (engine.limits.max_running, engine.limits.max_batch_tokens) == (4, 64)
-    assert engine.load.slo == hf_paged_kv.SLO(ttft=1.5, per_token=0.2) and engine.load.controller is not None
+                             "64", "--max-model-len", "100", "--slo-ttft", "1.5", "--slo-tpot", "0.2",
+                             "--num-blocks", "32", "--device", "cpu"])
+    assert serve.engine_config(args) == hf_paged_kv.EngineConfig(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100, slo=hf_paged_kv.SLO(ttft=1.5, per_token=0.2))
+    app = serve.build_app(args)
+    engine = app.state.engine
+    assert (engine.limits.max_running, engine.limits.max_batch_tokens, engine.max_model_len) == (4, 64, 100)
+    assert engine.load.controller is not None
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as http:
+        assert http.get("/v1/models").json()["data"][0]["max_model_len"] == 100
     hf_paged_kv.disable(engine.model)
     for wrong, message in ((["--slo-ttft", "1"], "give both SLO targets"), (["--slo-ttft", "0", "--slo-tpot", "1"],
                                                                              "--slo-ttft must be a number of seconds")):

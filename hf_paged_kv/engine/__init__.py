@@ -1,8 +1,8 @@
 """The serving engine: continuous batching of many requests on one model's KV pool."""
 
-from .controller import SLO, Thresholds
+from .config import SLO, EngineConfig, Limits
+from .controller import Thresholds
 from .engine import Engine
-from .config import Limits
 from .request import RequestFailed, RequestHandle, SamplingParams
 
-__all__ = ["Engine", "RequestHandle", "RequestFailed", "SamplingParams", "SLO", "Thresholds", "Limits"]
+__all__ = ["Engine", "EngineConfig", "RequestHandle", "RequestFailed", "SamplingParams", "SLO", "Thresholds", "Limits"]

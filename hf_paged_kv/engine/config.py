@@ -1,15 +1,77 @@
-"""The engine's knobs: `Limits`, what the scheduler and its rules read (the load controller moves
-some of them while it runs)."""
+"""The serving engine's settings.
+
+`EngineConfig` holds what a user tunes, each with its unit and default; `python -m
+hf_paged_kv.serve` maps its flags onto it one to one, with vLLM's names where the meaning is the
+same. `SLO` is the service-level targets that switch load adaptation on. `Limits` is what the
+scheduler and its rules read while the engine runs (the engine builds it from the config; the
+load controller moves some of it); setting it directly is for experiments.
+
+    config = EngineConfig(max_num_seqs=32, max_num_batched_tokens=256, slo=SLO(ttft=1.0, per_token=0.1))
+    engine = Engine(model, tokenizer=tokenizer, pool=KVPool(num_blocks=512), config=config)
+"""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level targets: seconds to the first token, seconds between tokens."""
+
+    ttft: float = 2.0
+    per_token: float = 0.5
+
+    def __post_init__(self):
+        if not (0 < self.ttft < math.inf and 0 < self.per_token < math.inf):
+            raise ValueError(f"SLO targets must be finite numbers of seconds > 0, got ttft={self.ttft}, "
+                             f"per_token={self.per_token}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a user tunes in the serving engine.
+
+    Attributes:
+        max_num_seqs: sequences running at once, at most (`--max-num-seqs`). Default 64.
+        max_num_batched_tokens: tokens one forward holds: every running decode, then prefill
+            chunks and new prompts in what is left (`--max-num-batched-tokens`). Default 512.
+        max_waiting: requests queued for admission; one more is refused with `Overloaded`
+            (HTTP 429) (`--max-waiting`). Default 1024.
+        max_model_len: tokens one request may hold, prompt + `max_new_tokens`; None: the model's
+            own limit (its context, or where its RoPE starts to scale with length)
+            (`--max-model-len`). Default None.
+        slo: service-level targets in seconds (`--slo-ttft`, `--slo-tpot`); given, the engine
+            adapts to load against them (and may shed); None: nothing is shed or paced.
+        backend: attention backend when the engine enables the model: "torch", "triton", or
+            "auto" (Triton on CUDA, torch otherwise). Default "auto".
+    """
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024
+    max_model_len: int | None = None
+    slo: SLO | None = None
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}")
+        if self.slo is not None and not isinstance(self.slo, SLO):
+            raise ValueError(f"EngineConfig.slo must be an SLO(ttft=..., per_token=...) or None, got {self.slo!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"EngineConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+
 
 @dataclass
 class Limits:
-    """The scheduler's knobs (the load controller moves some of them)."""
+    """What the scheduler and its rules read while the engine runs (the load controller moves
+    some of them). The engine builds it from its `EngineConfig`."""
 
     max_running: int = 64
     # tokens a forward holds: every running decode always runs (beyond this if max_running is

@@ -50,24 +50,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+from .config import SLO
 from .signals import Signals
 
 log = logging.getLogger("hf_paged_kv.controller")
 STATES = ("normal", "pressure", "overload")
 BUDGET_CEILING = 2  # the batch token budget grows to this multiple of its configured value; bursts reach it
-
-
-@dataclass(frozen=True)
-class SLO:
-    """Service-level targets: seconds to the first token, seconds between tokens."""
-
-    ttft: float = 2.0
-    per_token: float = 0.5
-
-    def __post_init__(self):
-        if not (0 < self.ttft < math.inf and 0 < self.per_token < math.inf):
-            raise ValueError(f"SLO targets must be finite numbers of seconds > 0, got ttft={self.ttft}, "
-                             f"per_token={self.per_token}")
 
 
 @dataclass

@@ -34,13 +34,13 @@ from ..errors import PagedKVError, UnsupportedModelError
 from ..integration import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
 from ..pool import KVPool
 from . import openmp, runner
-from .controller import SLO, Thresholds
+from .config import EngineConfig, Limits
+from .controller import Thresholds
 from .load import LoadControl
 from .metrics import EngineMetrics
 from .outcomes import Outcomes
 from .request import Request, RequestFailed, RequestHandle, SamplingParams
 from .sampling import sample
-from .config import Limits
 from .scheduler import Schedule, Scheduler
 
 log = logging.getLogger("hf_paged_kv.engine")
@@ -51,34 +51,35 @@ class Engine:
     """Continuous batching on a model's KV pool. See the module docstring for usage.
 
     Args:
-        model: a transformers causal LM (enabled with `hf_paged_kv.enable` if it is not yet).
+        model: a transformers causal LM (enabled with `hf_paged_kv.enable` if it is not yet; an
+            engine that enables it disables it again when it stops).
         tokenizer: needed to submit text prompts.
         pool: the KVPool to enable the model with (if it is not enabled yet).
-        max_running, max_batch_tokens, max_waiting: scheduler limits.
-        limits: all the scheduler's knobs at once (`scheduler.Limits`), instead of the three above;
-            copied, so the controller moves this engine's own (`engine.limits`).
-        slo: service-level targets (`controller.SLO`). Given, the engine adapts to load against
-            them (the load controller and the target-driven rules) and reports goodput within
-            them; None (the default): the knobs stay as configured, nothing is shed or paced.
-        controller: with `slo`, False only reports goodput against the targets and adapts
-            nothing; None (the default) means "on exactly when `slo` is given".
+        config: what a user tunes (`EngineConfig`: running sequences, batch tokens, queue,
+            request length, SLO targets, backend).
+        **settings: `EngineConfig` fields given one by one instead (`max_num_seqs=32`); the
+            older names `max_running` and `max_batch_tokens` still work.
+        limits: the scheduler's knobs at once (`Limits`), for experiments: copied, and its
+            `max_running`, `max_batch_tokens` and `max_waiting` win over the config's.
+        controller: with SLO targets, False only reports goodput against them and adapts
+            nothing; None (the default) means "on exactly when targets are given".
         thresholds: when the controller changes state, and how often it decides (`controller.Thresholds`).
     """
 
-    def __init__(self, model, tokenizer=None, pool: KVPool | None = None, max_running: int = 64,
-                 max_batch_tokens: int = 512, max_waiting: int = 1024, backend: str = "auto",
-                 limits: Limits | None = None, controller: bool | None = None, slo: SLO | None = None,
-                 thresholds: Thresholds | None = None):
-        if controller and slo is None:
+    def __init__(self, model, tokenizer=None, pool: KVPool | None = None, config: EngineConfig | None = None, *,
+                 limits: Limits | None = None, controller: bool | None = None, thresholds: Thresholds | None = None,
+                 **settings):
+        config = _configured(config, settings, limits)
+        if controller and config.slo is None:
             raise ValueError("load control adapts the engine to service-level targets: give them, "
                              "Engine(slo=SLO(ttft=..., per_token=...)); without targets nothing is shed or paced")
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.config = model, tokenizer, config
         if model.training:  # dropout would make its KV, shared with later requests, random (and the check below)
             raise PagedKVError("the model is in train mode: call model.eval() before serving it")
         # an engine that enables the model disables it when it stops: the model is left as it came,
         # and a later engine may enable it with another pool
-        self.enables_model, self.backend_choice = not is_enabled(model), backend
-        self.pool = enable(model, pool=pool, backend=backend)
+        self.enables_model = not is_enabled(model)
+        self.pool = enable(model, pool=pool, backend=config.backend)
         self.backend = state_of(model).backend
         try:
             runner.check_packing(model, self.backend, self.pool)
@@ -86,11 +87,13 @@ class Engine:
             if self.enables_model:  # a refused model is left as it came
                 disable(model)
             raise
-        self.limits = replace(limits) if limits else Limits(max_running=max_running, max_batch_tokens=max_batch_tokens,
-                                                            max_waiting=max_waiting)
+        self.limits = replace(limits) if limits else Limits(max_running=config.max_num_seqs,
+                                                            max_batch_tokens=config.max_num_batched_tokens,
+                                                            max_waiting=config.max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)
         self.metrics = EngineMetrics()
-        self.load = LoadControl(self, slo is not None if controller is None else controller, slo, thresholds)
+        self.load = LoadControl(self, config.slo is not None if controller is None else controller, config.slo,
+                                thresholds)
         self.outcomes = Outcomes(self.scheduler, self.metrics, self.load)
         self.incoming: queue.Queue = queue.Queue()  # a Queue: retry_after reads what it holds
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
@@ -99,9 +102,7 @@ class Engine:
         self.thread: threading.Thread | None = None
         self.accepting, self.draining = False, True
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
-        # prompt + max_new_tokens a request may have (None: the model's context): its forwards then
-        # feed positions below the RoPE limit (model_checks.rope_length_limit)
-        self.max_request_tokens = state_of(model).rope_limit
+        self.max_model_len, self.length_limit = _max_model_len(model, config.max_model_len)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
@@ -111,7 +112,7 @@ class Engine:
             raise PagedKVError("the engine's previous loop is still stopping: call stop() again and let it finish")
         if self.thread is None:
             if self.enables_model and not is_enabled(self.model):  # stopped before: enabled again, same pool
-                enable(self.model, pool=self.pool, backend=self.backend_choice)
+                enable(self.model, pool=self.pool, backend=self.config.backend)
                 self.backend = state_of(self.model).backend
             self.accepting = True
             self.load.start()
@@ -155,12 +156,10 @@ class Engine:
         ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
-        limit = self.max_request_tokens
+        limit = self.max_model_len
         if limit is not None and len(ids) + params.max_new_tokens > limit:  # the last token is never fed
-            raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} pass {limit}, where "
-                             "this model's RoPE starts to scale with the forward's length: one packed forward of many "
-                             f"requests cannot give each its own. The engine serves up to {limit} tokens per request "
-                             "on it; generate with a PagedCache runs longer ones exactly")
+            raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} pass max_model_len="
+                             f"{limit}: {self.length_limit}")
         request = Request(ids, params, tenant=tenant, priority=priority)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:
@@ -299,6 +298,36 @@ class Engine:
         """The metrics in Prometheus' text exposition format."""
         self.metrics.observe(self.stats())
         return self.metrics.text()
+
+
+LEGACY_NAMES = {"max_running": "max_num_seqs", "max_batch_tokens": "max_num_batched_tokens"}
+
+
+def _configured(config: EngineConfig | None, settings: dict, limits: Limits | None) -> EngineConfig:
+    """`config` with the `settings` given one by one (older names mapped to the config's), and a
+    `limits`' queue and batch sizes, which win."""
+    fields = {LEGACY_NAMES.get(name, name): value for name, value in settings.items()}
+    unknown = sorted(set(fields) - set(EngineConfig.__dataclass_fields__))
+    if unknown:
+        raise TypeError(f"Engine() got unknown settings {unknown}; EngineConfig has "
+                        f"{sorted(EngineConfig.__dataclass_fields__)}")
+    if limits is not None:
+        fields |= dict(max_num_seqs=limits.max_running, max_num_batched_tokens=limits.max_batch_tokens,
+                       max_waiting=limits.max_waiting)
+    return replace(config or EngineConfig(), **fields)
+
+
+def _max_model_len(model, asked: int | None) -> tuple[int | None, str]:
+    """The most tokens one request may hold (None: no limit) and why: the configured
+    `max_model_len`, or the length where the model's RoPE starts to scale (one packed forward of
+    many requests cannot give each its own scaling). The model's context is not enforced: as with
+    `generate`, a request may pass it where its position encoding allows."""
+    limits = [(asked, "the engine's configured limit"),  # on a tie, the first says why
+              (state_of(model).rope_limit, "where this model's RoPE starts to scale with the forward's length: one "
+               "packed forward of many requests cannot give each its own; generate with a PagedCache runs longer "
+               "ones exactly")]
+    limits = [(n, why) for n, why in limits if n is not None]
+    return min(limits, key=lambda item: item[0]) if limits else (None, "")
 
 
 def _prompt_ids(prompt, tokenizer, vocabulary: int) -> list[int]:

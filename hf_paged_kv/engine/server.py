@@ -397,8 +397,7 @@ class OpenAIServer:
     def __init__(self, engine, model_name: str, default_max_tokens: int | None = None):
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
         # what one request may hold: the model's context, or less where the engine serves less
-        # (RoPE that scales with length: Engine.max_request_tokens)
-        limits = [n for n in (getattr(engine.model.config, "max_position_embeddings", None), engine.max_request_tokens)
+        limits = [n for n in (getattr(engine.model.config, "max_position_embeddings", None), engine.max_model_len)
                   if n is not None]
         self.context = min(limits) if limits else None
         self.vocab_size = engine.model.get_input_embeddings().num_embeddings
