@@ -32,7 +32,7 @@ import pytest
 from conftest import make_model
 
 import hf_paged_kv
-from hf_paged_kv import SLO, Engine, KVPool, Limits, PagedCache, SemanticIndex, Thresholds
+from hf_paged_kv import SLO, Engine, EngineConfig, KVPool, Limits, PagedCache, SemanticIndex, Thresholds
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -220,11 +220,25 @@ def test_named_library_objects_exist(page):
     assert missing == [], f"{page_id(page)} names what the library lacks: {missing}"
 
 
-CALLABLES = {"KVPool": KVPool, "PagedCache": PagedCache, "Engine": Engine, "SLO": SLO,
+CALLABLES = {"KVPool": KVPool, "PagedCache": PagedCache, "Engine": Engine, "EngineConfig": EngineConfig, "SLO": SLO,
              "SemanticIndex": SemanticIndex, "Limits": Limits, "Thresholds": Thresholds,
              "engine.submit": Engine.submit, "enable": hf_paged_kv.enable, "pin": hf_paged_kv.pin,
              "persist": hf_paged_kv.persist, "publish": hf_paged_kv.publish,
              "advise_block_size": hf_paged_kv.advise_block_size}
+
+
+def keywords(function) -> set[str]:
+    """The keywords `function` takes; `Engine(**settings)` takes `EngineConfig`'s fields (and the
+    older names the engine maps onto them)."""
+    parameters = inspect.signature(function).parameters
+    names = {n for n, p in parameters.items() if p.kind is not p.VAR_KEYWORD}
+    if function is Engine:
+        from hf_paged_kv.engine import engine as module
+
+        names |= set(EngineConfig.__dataclass_fields__) | set(getattr(module, "LEGACY_NAMES", {}))
+    elif any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        raise AssertionError(f"{function.__qualname__} takes **kwargs: say here which keywords it accepts")
+    return names
 
 
 def top_level_keywords(source: str, start: int) -> list[str]:
@@ -248,7 +262,7 @@ def test_keyword_arguments_and_fields_shown_exist(page):
     wrong = []
     callee = "|".join(re.escape(n) for n in sorted(CALLABLES, key=len, reverse=True))
     for call in re.finditer(rf"(?<![\w.])(?:hf_paged_kv\.)?({callee})\(", source):
-        accepted = inspect.signature(CALLABLES[call.group(1)]).parameters
+        accepted = keywords(CALLABLES[call.group(1)])
         for keyword in top_level_keywords(source, call.end() - 1):
             if keyword not in accepted:
                 wrong.append(f"{call.group(1)}({keyword}=)")
@@ -321,6 +335,19 @@ def test_serve_flags_shown_are_the_servers():
         shown |= set(re.findall(r"`(--(?:slo|max|num|block|served|default|dtype|device|host|port)[\w-]*)", text(page)))
     assert shown, "no serve flags found in the docs"
     assert shown - known == set(), f"the docs show serve flags the server does not take: {shown - known}"
+
+
+def test_engine_page_documents_every_setting_and_flag():
+    from hf_paged_kv import serve
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        serve.parse_args(["--help"])
+    flags = set(re.findall(r"--[a-z][\w-]*", out.getvalue())) - {"--help"}
+    page = text(ROOT / "docs" / "engine.md")
+    missing = sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", page))
+    missing += sorted(f for f in EngineConfig.__dataclass_fields__ if f"`{f}`" not in page)
+    assert missing == [], f"docs/engine.md does not document: {missing}"
 
 
 def test_error_table_names_exist():
