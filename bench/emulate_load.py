@@ -2,7 +2,7 @@
 scheduling rules compared with less noise than real runs, several runs at once.
 
     python bench/emulate_load.py                      # controller on and off, 3 runs each, 2 at a time
-    python bench/emulate_load.py --variants on off no-burst no-triage no-partial-rule no-yielding
+    python bench/emulate_load.py --variants on off no-burst no-partial-rule
     python bench/emulate_load.py --slo-ttft 0.6 0.8 1.0 1.3 --repeats 3 --parallel 4   # availability by target
     python bench/emulate_load.py --smoke              # tiny sizes, a few seconds, prints only
 
@@ -24,9 +24,8 @@ Variants (each run in a process of its own, module constants set there before th
 the limits it sets from its SLO (`ttft_target`, `per_token_target`, `burst_batch_tokens`: every
 target-driven rule, none of the controller's moves); with the controller and one rule switched
 off: `no-burst` (no forward past `max_batch_tokens`: `Limits.burst_batch_tokens` equal to it),
-`no-triage` (`admission.LATE_YIELD = 0`: requests past their target do not yield),
-`no-partial-rule` (`admission.PARTIAL_DELAY` infinite: partial chunks never wait), `no-yielding`
-(`yielding.MIN_SLACK` infinite: no decode yields its memory).
+`no-partial-rule` (`scheduler.PARTIAL_DELAY` infinite: partial chunks never wait). Triage and
+yielding, which earlier runs of this script measured, showed no gain and were deleted.
 
 With several `--slo-ttft` targets, every variant runs at each of them (the engine and its controller
 configured with that target) and the table goes to a section of its own: how availability within
@@ -52,10 +51,10 @@ from common import Checks, arguments, markdown_table, model_name, note
 from feasibility import forward_line
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_paged_kv.engine import SLO, Thresholds, admission, yielding
+from hf_paged_kv.engine import SLO, Thresholds, scheduler
 from hf_paged_kv.engine import controller as controller_rules
 
-VARIANTS = ("on", "off", "rules-only", "no-burst", "no-triage", "no-partial-rule", "no-yielding")
+VARIANTS = ("on", "off", "rules-only", "no-burst", "no-partial-rule")
 
 
 def stand_in(vocab: int, fixed: float, per_token_: float) -> LlamaForCausalLM:
@@ -81,12 +80,8 @@ def run_variant(variant: str, reqs: list[Req], size: dict, slo: SLO, vocab: int,
     """One run of the trace on the stand-in, in this process (a worker's); what the report needs."""
     torch.set_num_threads(1)  # runs side by side: each forward is mostly sleep
     controller = variant not in ("off", "rules-only")
-    if variant == "no-triage":
-        admission.LATE_YIELD = 0.0
-    elif variant == "no-partial-rule":
-        admission.PARTIAL_DELAY = math.inf
-    elif variant == "no-yielding":
-        yielding.MIN_SLACK = math.inf
+    if variant == "no-partial-rule":
+        scheduler.PARTIAL_DELAY = math.inf
     size = dict(size, burst_batch_tokens=size["batch_tokens"] if variant == "no-burst" else None)
     if variant == "rules-only":  # the limits the controller sets from its SLO, and none of its moves
         size.update(ttft_target=slo.ttft, per_token_target=slo.per_token,
