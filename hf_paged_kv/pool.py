@@ -227,7 +227,89 @@ class KVPool:
         slots = slots[slots >= 0]
         np.maximum.at(self.allocator.fill, slots // self.block_size, (slots % self.block_size + 1).astype(np.int32))
 
-    # -------------------------------------------------------------- reuse glue
+    # -------------------------------------------------------------------- reuse
+    def digest_pairs(self, model: str, tenant: str, tokens, max_blocks: int) -> list[tuple[bytes, bytes]]:
+        """The digests of the first `max_blocks` full blocks of `tokens`: each in `tenant`'s
+        namespace and in the published one (a block may be cached under either)."""
+        return self.reuse.index.digest_pairs(model, tenant, tokens, max_blocks)
+
+    def probe(self, model: str, tenant: str, tokens, pairs: list[tuple[bytes, bytes]] | None = None,
+              lower_tiers: bool = True) -> dict[str, int]:
+        """Tokens of the longest cached prefix of `tokens` (whole blocks) by the tier each block is
+        in now ("device", "host", "disk"; the lower tiers only if `lower_tiers`); nothing is
+        referenced, touched or moved. `pairs`: their `digest_pairs`, when the caller keeps them."""
+        with self.locked():
+            lower = self.tiers.has if lower_tiers else (lambda digest: None)
+            return self.reuse.probe(model, tenant, tokens, lower, pairs)
+
+    def stored_prefix(self, pairs: list[tuple[bytes, bytes]]) -> tuple[list[int], int]:
+        """`(device blocks, tokens)` of the cached prefix of these blocks' digests that inheriting
+        would store: its blocks in any tier, and of those the ones on the device. Nothing is
+        referenced, touched or moved."""
+        with self.locked():
+            now, lookup, blocks, stored = self.policy.now(), self.reuse.index.lookup, [], 0
+            for mine, published in pairs:
+                block = lookup(mine, now)
+                block = lookup(published, now) if block is None else block
+                if block is not None:
+                    blocks.append(block)
+                elif not (self.tiers.has(mine) or self.tiers.has(published)):
+                    break
+                stored += self.block_size
+            return blocks, stored
+
+    def is_cached(self, digest: bytes) -> bool:
+        """Whether a device block is cached under `digest` now."""
+        with self.locked():
+            return self.reuse.index.lookup(digest, self.policy.now()) is not None
+
+    def inherit(self, model: str, tenant: str, tokens, limit: int, vector: np.ndarray | None = None
+                ) -> tuple[list[int], int]:
+        """Referenced blocks and length of the longest reusable prefix of `tokens`, at most `limit`
+        tokens (blocks in a lower tier are brought back; see `ReuseManager.inherit`)."""
+        with self.locked():
+            return self.reuse.inherit(model, tenant, np.asarray(tokens, dtype=np.int64), limit,
+                                      lambda digest, after: self.promote(digest, model, after), vector)
+
+    def bring_back(self, model: str, tenant: str, tokens, keep_free: int) -> int:
+        """Prefetch: bring the lower-tier blocks of the longest cached prefix of `tokens` back to
+        the device while more than `keep_free` blocks are free (it never evicts), leaving them
+        cached and unreferenced. Returns the tokens brought back."""
+        def promote(digest: bytes, after: int | None):
+            return self.promote(digest, model, after) if self.allocator.num_free > keep_free else None
+
+        with self.locked():
+            return self.reuse.bring_back(model, tenant, np.asarray(tokens), promote)
+
+    def publish_blocks(self, model: str, tenant: str, sequence: Sequence, priority: int = 0) -> None:
+        """Index the sequence's newly full blocks (after a forward stored them), so that later
+        requests of `tenant` with the same prefix inherit them."""
+        with self.locked():
+            self.reuse.index_sequence(model, tenant, sequence, priority)
+
+    def pinned_blocks(self, besides: str | None = None) -> set[int]:
+        """The blocks pins hold, but for the pins of reason `besides` ("hot": the automatic ones)."""
+        with self.locked():
+            return self.reuse.pins.pinned_blocks(besides)
+
+    def unpin_hot(self) -> None:
+        """Drop the automatic (hot-spot) pins for good: they are a cache policy, and give way to a
+        request that could not fit beside them."""
+        with self.locked():
+            self.reuse.pins.forget(lambda pin, blocks: pin.reason == "hot")
+
+    def referenced(self, blocks) -> int:
+        """How many of `blocks` something references (inheriting those spares a block each)."""
+        return self.allocator.referenced(blocks)
+
+    @property
+    def has_host_tier(self) -> bool:
+        return self.tiers.host is not None
+
+    @property
+    def has_lower_tiers(self) -> bool:
+        return not self.tiers.empty
+
     def promote(self, digest: bytes, model: str, after: int | None = None) -> tuple[int, BlockMeta, str] | None:
         """Bring `digest` back from a lower tier into a fresh referenced device block, after `after`
         if free. From the host tier its copy is queued: under an outer `locked()`, `settle` before

@@ -333,6 +333,6 @@ def engine_knobs(engine) -> list[Knob]:
     if options["hot_threshold"] is not None:
         knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8),
                           configured=options["hot_threshold"]))
-    if pool.tiers.host is not None:
+    if pool.has_host_tier:
         knobs.append(knob("demote_ahead", limits, "demote_ahead", tightening(0.10, 0.15, 0.5)))
     return knobs

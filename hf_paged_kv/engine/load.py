@@ -172,7 +172,7 @@ class LoadControl:
             "pinned_share": stats["blocks_pinned"] / total,
         } | {f"hit_rate_{tier}": rate for tier, rate in self._hit_rates(stats).items()}, now)
         # with or without the controller; without a host tier it would only drop cached prefixes
-        if engine.limits.demote_ahead and engine.pool.tiers.host is not None and now - self.demoted >= self.every:
+        if engine.limits.demote_ahead and engine.pool.has_host_tier and now - self.demoted >= self.every:
             engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
             self.demoted = now
         # the levels shedding steps through: those of requests it could turn away (a preempted

@@ -28,25 +28,14 @@ class PrefixProbe:
         device pool (its own or published) that inheriting takes, which stop before the block
         holding its last token (that one is computed even when cached: it gives the logits)."""
         tokens = request.tokens()
-        cached = self.pool.reuse.probe(self.model, request.tenant, tokens, lambda digest: None,
-                                       self.chain_pairs(request))
+        cached = self.pool.probe(self.model, request.tenant, tokens, self.chain_pairs(request), lower_tiers=False)
         return len(tokens) - cached["device"]
 
     def stored(self, request: Request) -> tuple[list[int], int]:
         """`(device blocks, tokens)` of the cached prefix that inheriting would store: its blocks in
         any tier up to the block before the request's last token, and of those the ones in the
         device pool."""
-        now, lookup, tiers = self.pool.policy.now(), self.pool.reuse.index.lookup, self.pool.tiers
-        blocks, stored = [], 0
-        for mine, published in self.chain_pairs(request):
-            block = lookup(mine, now)
-            block = lookup(published, now) if block is None else block
-            if block is not None:
-                blocks.append(block)
-            elif not (tiers.has(mine) or tiers.has(published)):
-                break
-            stored += self.pool.block_size
-        return blocks, stored
+        return self.pool.stored_prefix(self.chain_pairs(request))
 
     def pairs(self, request: Request) -> list[tuple[bytes, bytes]]:
         """The digests of the request's full blocks, its tenant's and the published ones, hashed
@@ -56,8 +45,7 @@ class PrefixProbe:
         key = (len(tokens), self.model, request.tenant)
         kept = self.digests.get(request.id)
         if kept is None or kept[0] != key:
-            pairs = self.pool.reuse.index.digest_pairs(self.model, request.tenant, tokens,
-                                                       len(tokens) // self.pool.block_size)
+            pairs = self.pool.digest_pairs(self.model, request.tenant, tokens, len(tokens) // self.pool.block_size)
             kept = self.digests[request.id] = key, pairs
         return kept[1]
 

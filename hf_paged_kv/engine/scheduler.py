@@ -46,8 +46,6 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
 from ..sequence import Sequence
@@ -140,11 +138,8 @@ class Scheduler:
         with self.pool.locked():
             for request, _ in batch:
                 if request.outcome is None:
-                    self.pool.reuse.index_sequence(self.prefixes.model, request.tenant, request.sequence,
-                                                   request.priority)
-            now = self.pool.policy.now()
-            self.inflight = {d: r for d, r in self.inflight.items()
-                             if r.outcome is None and self.pool.reuse.index.lookup(d, now) is None}
+                    self.pool.publish_blocks(self.prefixes.model, request.tenant, request.sequence, request.priority)
+            self.inflight = {d: r for d, r in self.inflight.items() if r.outcome is None and not self.pool.is_cached(d)}
 
     def stepped(self, tokens: int, seconds: float, whole: bool) -> None:
         """A step ran `tokens` in `seconds`: the growth share decays (a preemption resets it); its
@@ -222,7 +217,7 @@ class Scheduler:
         """The memory rule for a request that would inherit the device blocks `prefix`: inheriting
         a block that a sequence holds spares it a block; an idle cached one (already counted as
         available) or one in a lower tier spares nothing."""
-        return self._shortfall(request, self.pool.allocator.referenced(prefix)) <= 0
+        return self._shortfall(request, self.pool.referenced(prefix)) <= 0
 
     # --------------------------------------------------------- admission
     def in_turn(self) -> list[Request]:
@@ -256,7 +251,7 @@ class Scheduler:
             # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
             per_token = self.costs.marginal_seconds_per_token() if target is not None and self.waiting else 0.0
             self.prefixes.keep_only(self.waiting)
-            pinned = self.pool.reuse.pins.pinned_blocks()
+            pinned = self.pool.pinned_blocks()
             for request in self.in_turn():
                 if budget <= 0 or len(self.running) >= self.limits.max_running:
                     break
@@ -304,9 +299,8 @@ class Scheduler:
         others = len(pinned - shared)
         if needed <= total - others:
             return None
-        registry = self.pool.reuse.pins
-        if needed <= total - len(registry.pinned_blocks(besides="hot") - shared):
-            registry.forget(lambda pin, blocks: pin.reason == "hot")
+        if needed <= total - len(self.pool.pinned_blocks(besides="hot") - shared):
+            self.pool.unpin_hot()
             return None
         pins = f", {others} of them pinned (unpin them or lower the pin budget)" if others else ""
         return (f"request {request.id} needs {request.kv_needed()} tokens of KV ({needed} blocks of {size}), "
@@ -326,10 +320,7 @@ class Scheduler:
                 return DEFERRED if fits else None
             if not fits:
                 return None
-            model = self.prefixes.model
-            blocks, length = self.pool.reuse.inherit(
-                model, request.tenant, np.asarray(tokens, dtype=np.int64), len(tokens) - 1,
-                lambda digest, after: self.pool.promote(digest, model, after))
+            blocks, length = self.pool.inherit(self.prefixes.model, request.tenant, tokens, len(tokens) - 1)
             if self._shortfall(request, len(blocks)) > 0:  # the probe's answer, unless a promotion failed
                 self.pool.decref(blocks)
                 return None
@@ -356,18 +347,12 @@ class Scheduler:
         fraction of the pool), so prefetching never evicts anything. The blocks stay cached,
         unreferenced; returns the tokens brought back."""
         model = self.prefixes.model
-        if model is None or self.pool.tiers.empty or not self.waiting:
+        if model is None or not self.pool.has_lower_tiers or not self.waiting:
             return 0
         keep_free = int(self.limits.prefetch_watermark * self.pool.num_blocks) + 1
-
-        def promote(digest: bytes, after: int | None):
-            return self.pool.promote(digest, model, after) if self.pool.num_free() > keep_free else None
-
-        brought = 0
         with self.pool.locked():
-            for request in self.in_turn()[: self.limits.prefetch_depth]:
-                brought += self.pool.reuse.bring_back(model, request.tenant, np.asarray(request.tokens()), promote)
-        return brought
+            return sum(self.pool.bring_back(model, request.tenant, request.tokens(), keep_free)
+                       for request in self.in_turn()[: self.limits.prefetch_depth])
 
     # -------------------------------------------------------- preemption
     def preempt(self, request: Request) -> str:
