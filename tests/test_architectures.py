@@ -70,7 +70,7 @@ def test_paged_cache_gives_the_dynamic_cache_tokens(enabled, kind):
     if kind == "right" and CATALOGUE[arch].reference == "eager":
         # Row 2's last column is a pad further back than the sliding window: it sees no key.
         # Eager attention (the only reference that soft-caps) spreads it over the masked keys,
-        # pads included; sdpa and hf_paged_kv give zeros (README, "Limitations").
+        # pads included; sdpa and hf_paged_kv give zeros (docs/models.md, "Limitations").
         pytest.xfail("a query that sees no key: eager averages the masked keys, hf_paged_kv gives zeros as sdpa")
     with PagedCache() as cache:
         got = greedy(model, cache, *batches[kind])
