@@ -7,7 +7,7 @@
     out = model.generate(**inputs, past_key_values=PagedCache())
 """
 
-from .advisor import advise_block_size
+from .pool import advise_block_size
 from .cache import PagedCache
 from .engine import SLO, Engine, EngineConfig, Limits, RequestFailed, RequestHandle, Thresholds
 from .errors import (

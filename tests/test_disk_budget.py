@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import droppable
 
-from hf_paged_kv.policy import BlockMeta, Policy
+from hf_paged_kv.pool.policy import BlockMeta, Policy
 from hf_paged_kv.tiers.disk import DiskTier
 
 SHAPES = [(2, 2, 4)] * 2

@@ -633,7 +633,7 @@ def test_a_model_whose_rope_scales_with_length_is_served_within_its_original_con
             engine.submit(prompts[1], max_new_tokens=13)
         assert engine.max_model_len == 32
         if importlib.util.find_spec("fastapi") is not None:  # the server's default max_tokens fills no more
-            from hf_paged_kv.engine.server import OpenAIServer
+            from hf_paged_kv.serve.app import OpenAIServer
 
             assert OpenAIServer(engine, "tiny").context == 32
         model.train()

@@ -9,7 +9,7 @@ import random
 import pytest
 from conftest import droppable
 
-from hf_paged_kv.policy import BlockMeta, Policy
+from hf_paged_kv.pool.policy import BlockMeta, Policy
 from hf_paged_kv.tiers.leaves import LeafQueue
 
 

@@ -12,10 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import hf_paged_kv
-from hf_paged_kv import KVPool, PagedCache, PagedKVError, PoolExhaustedError, sizing
-from hf_paged_kv.allocator import BlockAllocator
-from hf_paged_kv.pool import HUGE_PAGE, LayerSpec, block_tensors
-from hf_paged_kv.sizing import DEFAULT_CPU_BYTES
+from hf_paged_kv import KVPool, PagedCache, PagedKVError, PoolExhaustedError
+from hf_paged_kv.pool import LayerSpec, sizing
+from hf_paged_kv.pool.allocator import BlockAllocator
+from hf_paged_kv.pool.kv_pool import HUGE_PAGE, block_tensors
+from hf_paged_kv.pool.sizing import DEFAULT_CPU_BYTES
 
 CPU = torch.device("cpu")
 

@@ -27,7 +27,7 @@ pytest.importorskip("fastapi")
 import hf_paged_kv  # noqa: E402
 from hf_paged_kv import Engine, KVPool, Overloaded  # noqa: E402
 from hf_paged_kv.engine import Limits  # noqa: E402
-from hf_paged_kv.engine.server import MAX_STOP_LENGTH, StopMatcher, create_app  # noqa: E402
+from hf_paged_kv.serve.app import MAX_STOP_LENGTH, StopMatcher, create_app  # noqa: E402
 
 NAME = "tiny-llama"
 SPECIAL = {PAD, EOS}

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .. import arguments
-from ..advisor import Advice, advise_block_size
+from ..pool import Advice, advise_block_size
 from ..errors import PagedKVError, UnsupportedModelError
 from ..integration import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
 from ..pool import KVPool
@@ -291,7 +291,7 @@ class Engine:
 
     def advise_block_size(self, shared_prefix_lengths=()) -> Advice:
         """The block size the observed sequence lengths suggest for the next start (see
-        `hf_paged_kv.advisor`); a live pool keeps its own."""
+        `hf_paged_kv.pool.advisor`); a live pool keeps its own."""
         return advise_block_size(self.scheduler.lengths or [1], shared_prefix_lengths)
 
     def prometheus(self) -> str:

@@ -15,8 +15,8 @@ from typing import Callable
 
 import numpy as np
 
-from ..allocator import BlockAllocator
-from ..policy import BlockMeta, Policy
+from ..pool.allocator import BlockAllocator
+from ..pool.policy import BlockMeta, Policy
 from ..sequence import Sequence
 from .pins import PinRegistry
 from .prefix_index import PrefixIndex

@@ -37,7 +37,7 @@ import itertools
 import warnings
 from dataclasses import dataclass, field
 
-from ..allocator import BlockAllocator
+from ..pool.allocator import BlockAllocator
 from ..arguments import integer
 from ..errors import PagedKVError
 from .prefix_index import PrefixIndex

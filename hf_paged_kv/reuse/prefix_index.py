@@ -20,9 +20,9 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
-from ..allocator import BlockAllocator
+from ..pool.allocator import BlockAllocator
 from ..arguments import PUBLIC_TENANT
-from ..policy import BlockMeta, Policy
+from ..pool.policy import BlockMeta, Policy
 
 MAX_GHOSTS = 4096
 

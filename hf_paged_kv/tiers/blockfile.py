@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..policy import BlockMeta
+from ..pool.policy import BlockMeta
 
 FORMAT = "hf_paged_kv-block/3"
 SUFFIX = ".kvblock"

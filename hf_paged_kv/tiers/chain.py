@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..fingerprint import is_local
-from ..policy import BlockMeta, Policy
+from ..pool.policy import BlockMeta, Policy
 from . import transfer
 from .disk import DiskTier
 from .host import HostTier

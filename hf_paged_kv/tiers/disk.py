@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from ..policy import BlockMeta, Policy
+from ..pool.policy import BlockMeta, Policy
 from . import blockfile
 from .blockfile import SUFFIX, RejectedFile
 from .leaves import LeafQueue

@@ -48,7 +48,7 @@ import time
 
 import torch
 
-from ..policy import BlockMeta, Policy
+from ..pool.policy import BlockMeta, Policy
 from . import transfer
 from .leaves import LeafQueue
 

@@ -22,7 +22,7 @@ import heapq
 import itertools
 from typing import Hashable
 
-from ..policy import BlockMeta, Policy
+from ..pool.policy import BlockMeta, Policy
 
 
 class LeafQueue:

@@ -28,12 +28,12 @@ import torch
 
 from . import promotion, sizing
 from .allocator import BlockAllocator
-from .errors import PagedKVError, PoolExhaustedError
+from ..errors import PagedKVError, PoolExhaustedError
 from .policy import BlockMeta, Policy
-from .reuse.manager import ReuseManager
-from .reuse.pins import check_settings
-from .sequence import Sequence
-from .tiers.chain import TierChain
+from ..reuse.manager import ReuseManager
+from ..reuse.pins import check_settings
+from ..sequence import Sequence
+from ..tiers.chain import TierChain
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-from .errors import PagedKVError
+from ..errors import PagedKVError
 
 
 class BlockAllocator:

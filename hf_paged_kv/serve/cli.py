@@ -1,4 +1,4 @@
-"""Serve a local model over OpenAI's HTTP API, on the paged engine (needs the `serve` extra).
+"""The serve command: its flags, loading a local model, and the app built from them.
 
     python -m hf_paged_kv.serve --model DIR [--port 8000] [--host 127.0.0.1]
         [--num-blocks N | --max-bytes B] [--block-size 16] [--max-num-batched-tokens 512]
@@ -135,7 +135,7 @@ def build_app(args: argparse.Namespace):
     """The FastAPI app for these arguments (the model loaded, the engine built, not started)."""
     from hf_paged_kv import Engine, KVPool, PagedKVError
 
-    from .engine.server import create_app
+    from .app import create_app
 
     model, tokenizer = load(args.model, args.dtype, args.device)
     try:  # options the pool or the engine refuse (a byte budget below one block, ...)
@@ -157,7 +157,3 @@ def main(argv: list[str] | None = None) -> None:
     print(f"hf_paged_kv: serving {app.state.server.model_name!r} on http://{args.host}:{args.port}/v1 "
           f"({app.state.engine.pool.num_blocks} KV blocks of {args.block_size} tokens)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import PagedKVError
+from ..errors import PagedKVError
 
 DEFAULT_CPU_BYTES = 1 << 30  # 1 GiB of KV when every layer sits on the CPU
 DEFAULT_DEVICE_FRACTION = 0.5  # of the free memory of each accelerator holding layers

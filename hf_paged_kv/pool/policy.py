@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Hashable, Iterable, Mapping
 
-from .arguments import seconds
+from ..arguments import seconds
 
 MAX_PRIORITY = 8
 

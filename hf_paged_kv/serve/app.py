@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server on the engine (the `serve` extra: FastAPI + uvicorn).
 
-    >>> from hf_paged_kv.engine.server import create_app
+    >>> from hf_paged_kv.serve.app import create_app
     >>> app = create_app(Engine(model, tokenizer=tok, pool=KVPool(num_blocks=512)), "my-model")
     >>> uvicorn.run(app, port=8000)          # or: python -m hf_paged_kv.serve --model DIR
 
@@ -54,7 +54,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..arguments import is_unicode
 from ..errors import Overloaded, PagedKVError
-from .request import RequestFailed
+from ..engine.request import RequestFailed
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_STOP_STRINGS = 4
