@@ -72,7 +72,9 @@ class Schedule:
     batch: list[tuple[Request, int]] = field(default_factory=list)  # who runs, and how many tokens each feeds
     admitted: list[Request] = field(default_factory=list)  # admitted for the first time (not resumed)
     preempted: list[tuple[Request, str]] = field(default_factory=list)  # and how: "swap" or "recompute"
-    impossible: list[tuple[Request, str]] = field(default_factory=list)  # no pool state can hold them: why
+    # waiting requests no pool state can hold, and why: still queued, for the engine to end (an error
+    # before it does leaves them in the queue, where a failing step's end_all finds them)
+    impossible: list[tuple[Request, str]] = field(default_factory=list)
     inherited: int = 0  # prompt tokens the admissions inherited that no forward of theirs computed
     prefetched: int = 0  # tokens brought back from the host or disk tier ahead of their turn
 
@@ -261,7 +263,6 @@ class Scheduler:
                     continue  # another request is computing its prefix: it inherits it next step
                 impossible = self._why_never_fits(request, pinned)
                 if impossible:
-                    self._remove(request)
                     plan.impossible.append((request, impossible))
                     continue
                 whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
