@@ -13,11 +13,12 @@ as with `DynamicCache`. Rows may share blocks (reference counted): identical pro
 batch are stored once, beam search reorders rows by sharing, `copy.deepcopy` shares everything,
 and a row about to write into a shared block copies it first (copy-on-write).
 
-The integration claims the cache (`claim`: one thread's forward at a time) and calls
-`begin_forward` before each forward (plan it: inherit cached prefixes, allocate, compute
-slots) and then `finish_forward` or, if the forward raised anything at all,
-`abort_forward`, which leaves the cache as it was before the forward (stored tokens the
-forward's mask hid stay dropped, see `history`).
+Around each forward the integration claims the cache (`claim`: one thread's forward at a
+time); the planner (`forward_plan`) binds it to the model's pool (`bind`) and hands it the
+forward's rows (`adopt`: inherited prefixes attached, blocks allocated); then the integration
+calls `finish_forward` (commit the tokens, offer full blocks for reuse) or, if the forward
+raised anything at all, `abort_forward`, which leaves the cache as it was before the forward
+(stored tokens the forward's mask hid stay dropped, see `history`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import arguments, prefill, step
+from . import arguments, forward_plan, step
 from .errors import CacheReleasedError, NotEnabledError, PagedKVError
 from .pool import KVPool
 from .reuse.pins import TurnPins
@@ -43,39 +44,14 @@ _CLAIMING = threading.Lock()  # held only while a thread checks that a cache is 
 
 @dataclass
 class _Forward:
-    """A claimed forward: planned by `begin_forward`, then committed by `finish_forward` or undone
-    by `abort_forward`."""
+    """A claimed forward: its plan once the planner made it (`adopt`), then committed by
+    `finish_forward` or undone by `abort_forward`."""
 
     thread: threading.Thread  # the one running it: another may not begin a forward meanwhile
-    real: np.ndarray | None = None  # [B, T] stored columns
-    ids: np.ndarray | None = None  # [B, T] token ids (-1 where unknown or not to be matched: see Sequence.tokens)
-    inherited: np.ndarray | None = None  # per row: leading real tokens already stored (a reused prefix)
-    lengths_before: list[int] | None = None  # stored lengths before it (a fresh cache: none); None until planned
-    new_turn: bool = False  # the forward begins a turn of the conversation (`pin_turns` counts them)
+    plan: forward_plan.ForwardPlan | None = None
 
     def runs_elsewhere(self) -> bool:
         return self.thread is not threading.current_thread() and self.thread.is_alive()
-
-    @property
-    def planned(self) -> bool:
-        return self.lengths_before is not None
-
-    def commit(self, sequences: list[Sequence]) -> None:
-        """Append to each row the tokens this forward stored after its inherited prefix."""
-        for b, sequence in enumerate(sequences):
-            sequence.append(self.real[b], self.ids[b][self.real[b]][self.inherited[b] :])
-
-    def undo(self, pool: KVPool, sequences: list[Sequence]) -> list[Sequence]:
-        """Give back what the forward's planning took; returns the rows as they were before it
-        (none when it began the cache)."""
-        with pool.locked():
-            if not self.lengths_before:
-                for sequence in sequences:
-                    pool.decref(sequence.blocks)
-                return []
-            for sequence, length in zip(sequences, self.lengths_before):
-                pool.decref(sequence.truncate(length, pool.block_size))
-        return sequences
 
 
 class PagedCache(Cache):
@@ -172,7 +148,7 @@ class PagedCache(Cache):
         with _CLAIMING:  # checking that the cache is free and claiming it are one step: two threads never both pass
             self.check_usable()
             mine = self._forward is not None and self._forward.thread is threading.current_thread()
-            if not mine or self._forward.planned:
+            if not mine or self._forward.plan is not None:
                 self.abort_forward()  # the previous forward never finished (interrupted)
                 self._forward = _Forward(threading.current_thread())
 
@@ -254,41 +230,47 @@ class PagedCache(Cache):
                     self._pool.decref(sequence.blocks)
 
     # ------------------------------------------------------ forward lifecycle
+    def bind(self, pool: KVPool, model: str) -> None:
+        """Tie the cache to `pool` for the forward being planned, computed by the weights
+        fingerprinted `model`. Another pool than the one it holds KV of is refused."""
+        if self._pool not in (None, pool):
+            raise PagedKVError("this PagedCache belongs to another pool than the model's (it was used with another "
+                               "model, or given another pool): use a fresh PagedCache per model")
+        self._pool = pool
+        # other weights than the ones that computed this cache's KV: keep computing, never share it
+        self._model = model if not self.sequences or self._model == model else None
+
+    def adopt(self, plan: forward_plan.ForwardPlan) -> None:
+        """Hold the rows `forward_plan` planned for this thread's claimed forward until it
+        finishes (`finish_forward` commits them) or raises (`abort_forward` gives them back)."""
+        if self._forward is None or self._forward.thread is not threading.current_thread():
+            raise PagedKVError("a forward is planned on a PagedCache its thread has not claimed (PagedCache.claim)")
+        self._forward.plan = plan
+        self.sequences = plan.sequences
+        if not plan.lengths_before:  # the forward begins the cache
+            self.inherited = plan.inherited.tolist()
+
     def begin_forward(self, pool: KVPool, model: str, input_ids, stored: np.ndarray | None, shape: tuple[int, int],
                       allow_reuse: bool, logical: bool = False, new_turn: bool | None = None) -> step.StepPlan:
-        """Plan the forward about to run on `pool` with the weights fingerprinted `model` (see
-        `prefill.prepare_forward`; `stored`: its columns that hold tokens, None for all; `allow_reuse`:
-        only the last logits are needed, as in generate; `new_turn`: it begins a turn, by default when
-        it feeds more than one token). Raises PoolExhaustedError before changing anything when the pool is full."""
-        real = np.ones(shape, dtype=bool) if stored is None else stored
-        ids = input_ids.detach().cpu().numpy() if input_ids is not None else np.full(real.shape, -1)
-        turn = real.shape[1] > 1 if new_turn is None else new_turn
-        self.claim()  # the integration's claim stands
-        fresh, before = not self.sequences, [s.length for s in self.sequences]
-        self._forward = _Forward(threading.current_thread(), real, ids, np.zeros(len(real), dtype=np.int64), before, turn)
-        try:  # planning runs outside the pool's lock where it can (the semantic index embeds text)
-            self._bind(pool, model)
-            if not fresh and len(self.sequences) != len(real):
-                raise PagedKVError(f"batch size changed from {len(self.sequences)} to {len(real)} rows within one "
-                                   "PagedCache; use a fresh PagedCache for a new batch")
-            reusing = fresh and allow_reuse and self.reuse and input_ids is not None and self._model == model
-            self.sequences, plan, self._forward.inherited = prefill.prepare_forward(
-                pool, None if fresh else self.sequences, ids, real, (model, self.tenant) if reusing else None,
-                allow_reuse, logical)
+        """Claim the cache and plan a forward whose inputs are known without a model
+        (`forward_plan.plan_rows` says what the arguments mean); returns its StepPlan. The
+        forward wrapper plans through `forward_plan.plan`, which reads the model's inputs first."""
+        self.claim()
+        try:
+            return forward_plan.plan_rows(self, pool, model, input_ids, stored, shape, allow_reuse, logical,
+                                          new_turn).step
         except BaseException:
-            self._forward = None  # planning changed nothing
+            self.abort_forward()  # planning changed nothing: the claim goes too
             raise
-        if fresh:
-            self.inherited = self._forward.inherited.tolist()
-        return plan
 
     def finish_forward(self) -> None:
         """The forward succeeded: adopt its tokens, offer the rows' new full blocks for reuse."""
         forward, self._forward = self._forward, None
-        if forward is None or not forward.planned:
+        if forward is None or forward.plan is None:
             return
-        pin_until = self.turn_pins.turn_began(forward.lengths_before) if forward.new_turn else None
-        forward.commit(self.sequences)
+        plan = forward.plan
+        pin_until = self.turn_pins.turn_began(plan.lengths_before) if plan.new_turn else None
+        plan.commit(self.sequences)
         if self.reuse and self._model is not None:
             with self._pool.locked():
                 for sequence in self.sequences:
@@ -301,17 +283,9 @@ class PagedCache(Cache):
         """The forward raised (any exception, KeyboardInterrupt included): undo its planning.
         Nothing it half-wrote is ever indexed, offered, pinned or read again."""
         forward, self._forward = self._forward, None
-        if forward is not None and forward.planned:  # a claim alone changed nothing
-            self.sequences = forward.undo(self._pool, self.sequences)
+        if forward is not None and forward.plan is not None:  # a claim alone changed nothing
+            self.sequences = forward.plan.undo(self._pool, self.sequences)
             self.inherited = self.inherited if self.sequences else []
-
-    def _bind(self, pool: KVPool, model: str) -> None:
-        if self._pool not in (None, pool):
-            raise PagedKVError("this PagedCache belongs to another pool than the model's (it was used with another "
-                               "model, or given another pool): use a fresh PagedCache per model")
-        self._pool = pool
-        # other weights than the ones that computed this cache's KV: keep computing, never share it
-        self._model = model if not self.sequences or self._model == model else None
 
     # ---------------------------------------------------------- inspection
     def row_lengths(self) -> list[int]:

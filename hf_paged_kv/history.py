@@ -32,7 +32,7 @@ def check_continues(sequences: list[Sequence], input_ids, attention_mask) -> Non
     transformers' own prompt-reuse recipe relies on (a prefix tokenized alone may end in other
     tokens than within the whole prompt), but they are also what another conversation, or an
     interrupted call's leftover token, looks like. Stored positions whose ids are unknown (-1)
-    are not compared; a changed batch size is left to `begin_forward`."""
+    are not compared; a changed batch size is left to the planner (`forward_plan`)."""
     if not sequences or not torch.is_tensor(input_ids) or input_ids.dim() != 2 or len(input_ids) != len(sequences):
         return
     logical = sequences[0].logical_length
@@ -63,7 +63,7 @@ def follow_mask(pool: KVPool, sequences: list[Sequence], attention_mask, width: 
     raises PagedKVError. All rows or none: a refusal or a full pool changes nothing. Nothing to
     do without a mask, for a fresh cache, or for a mask not as wide as the positions held plus
     the new ones: one of another width is refused (a mask of the new columns alone does not say
-    what the held positions attend; a changed batch is left to `begin_forward`). No mask at all
+    what the held positions attend; a changed batch is left to `forward_plan.plan_rows`). No mask at all
     attends every position: refused where a row holds pads."""
     logical = sequences[0].logical_length if sequences else 0
     if attention_mask is None:

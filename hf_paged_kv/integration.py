@@ -5,11 +5,12 @@ registered attention function.
 function "hf_paged_kv" (with a matching mask function) and wraps the model's `forward`:
 
 1. the wrapper sees every forward `generate` makes. With a PagedCache in `past_key_values` it
-   claims the cache for this thread (`PagedCache.claim`) before it reads or changes the rows
-   (a later turn's mask may drop stored tokens: `history`), has the cache plan the forward
-   (`PagedCache.begin_forward`: inherit cached prefixes,
-   allocate blocks, compute write slots), drops the input columns no row needs to compute, and
-   runs the model with the plan active on this thread (`step.activate`);
+   claims the cache for this thread (`PagedCache.claim`) before anything reads or changes its
+   rows, tells the planner what it knows of the model and of the `generate` call (`_context`:
+   the weights' fingerprint, whether a turn begins), has `forward_plan.plan` plan the forward
+   (rows, inherited prefixes, blocks, write slots: a `ForwardPlan`), and runs the model on the
+   plan's inputs (the columns it skips dropped) with its `StepPlan` active on this thread
+   (`step.activate`);
 2. each attention layer calls the registered `paged_attention`, which has the backend write the
    layer's new K/V into the pool and attend over the whole stored sequence;
 3. when the forward returns, the cache commits (`finish_forward`); when it raises anything at
@@ -30,13 +31,12 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import backends, history, packed, prefill, step
+from . import backends, forward_plan, history, step
 from .cache import PagedCache
 from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
 from .fingerprint import InPlaceEdits, model_fingerprint
@@ -53,7 +53,6 @@ _PAGED: set[int] = set()  # id(the text config of an enabled model): the attenti
 _CAUSAL_MASK_PARTS = {"and_masks", "or_masks", "causal_mask_function", "sliding_window_overlay",
                       "sliding_window_causal_mask_function", "packed_sequence_mask_function", "padding_mask_function",
                       "add_offsets_to_mask_function", "blockwise_overlay"}
-_PER_TOKEN_INPUTS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids")
 
 
 @dataclass
@@ -224,15 +223,14 @@ def _turn_marking_generate(model, original):
     return generate
 
 
-def _begins_turn(model, cache: PagedCache, shape: tuple) -> bool:
-    """Whether this forward begins a turn of the conversation in `cache` (re-takes the
-    fingerprint, counts for `pin_turns`): in the `generate` call of this model given this cache,
-    its first forward; any other forward when it feeds more than one token."""
-    call = _generate_call(model, cache)
+def _begins_turn(call: _GenerateCall | None, width: int) -> bool:
+    """Whether this forward begins a turn of the conversation in its cache (re-takes the
+    fingerprint, counts for `pin_turns`): in the `generate` call of its model given this cache
+    (`call`), its first forward; any other forward when it feeds more than one token."""
     if call is not None:
         begun, call.begun = call.begun, True
         return not begun
-    return shape[1] > 1
+    return width > 1
 
 
 def _generate_call(model, cache: PagedCache):
@@ -258,9 +256,9 @@ def _paged_forward(model, original):
         state = state_of(model)
         cache.claim()  # before anything reads or changes its rows: another thread's forward would see them change
         try:
-            plan, need_weights, named = _plan_forward(model, original, state, cache, named)
-            with step.activate(plan, state.backend, need_weights) as active:
-                output = original(**named)
+            plan = forward_plan.plan(cache, state.pool, named, _context(model, original, state, cache, named))
+            with step.activate(plan.step, state.backend, plan.need_weights) as active:
+                output = original(**plan.inputs(named))
             active.check_written(len(state.pool.layers))
         except BaseException:
             cache.abort_forward()
@@ -291,111 +289,16 @@ def _by_name(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict:
     return named
 
 
-def _plan_forward(model, original, state, cache: PagedCache, kwargs: dict):
-    """Have the claimed `cache` plan this forward; returns the plan, whether attention weights are
-    wanted, and the forward's arguments without the columns the plan skips."""
-    input_ids = kwargs.get("input_ids")
-    inputs = input_ids if input_ids is not None else kwargs.get("inputs_embeds")
-    if inputs is None:
-        raise PagedKVError("forward needs input_ids or inputs_embeds")
-    shape = tuple(inputs.shape[:2])
-    # each new request or turn checks the weights, so a conversation continued on changed
-    # weights stops sharing its KV (PagedCache.begin_forward)
-    new_turn = _begins_turn(model, cache, shape)  # a decode step checks dtype and device only
+def _context(model, original, state: EnabledState, cache: PagedCache, kwargs: dict) -> forward_plan.Context:
+    """What the planner is told of the model and of the `generate` call for this forward. Each
+    new request or turn re-takes the fingerprint, so a conversation continued on changed weights
+    stops sharing its KV; a decode step checks dtype and device only."""
+    call = _generate_call(model, cache)
+    new_turn = _begins_turn(call, forward_plan.input_shape(kwargs)[1])
     fingerprint = current_fingerprint(model, 0.0 if new_turn or not cache.is_initialized else float("inf"))
-    extras = _per_token_extras(kwargs)
-    mask = kwargs.get("attention_mask")
-    # a later turn may mask what an earlier one stored: those rows drop it first (generate's own
-    # decode steps only append to the mask: not copied to the host for each token); a cache of
-    # another pool is refused by begin_forward
-    if cache.is_initialized and cache.pool is state.pool and (new_turn or _generate_call(model, cache) is None):
-        history.follow_mask(state.pool, cache.sequences, mask, shape[1])
-    # KV at other positions than generate's must not be shared: hashes say token ids only
-    stored = prefill.stored_columns(mask, *shape)  # read once: a copy from the device
-    counted = prefill.positions_counted(cache.sequences, stored, kwargs.get("position_ids"))
-    # nor K/V that another forward of the same tokens would not compute: dropout in train mode,
-    # or RoPE frequencies chosen by this forward's length (model_checks.rope_length_limit)
-    if model.training or _rope_scaled(state.rope_limit, cache, kwargs.get("position_ids"), shape[1]):
-        counted[:] = False
-    may_skip = bool(counted.all()) and _may_skip(kwargs, extras)
-    if may_skip and not cache.is_initialized and cache.reuse and input_ids is not None and shape[0] > 1:
-        _compute_shared_prefixes(model, original, state, fingerprint, cache.tenant, input_ids, mask)
-    need_weights = kwargs.get("output_attentions")
-    need_weights = bool(model.config.output_attentions if need_weights is None else need_weights)
-    # per-token inputs besides the ids (token_type_ids, ...) shape the K/V as well, as other
-    # positions do: the cache is then told no ids, as with inputs_embeds, so no rows are merged and
-    # nothing is indexed or inherited by ids (equal ids with other token types gave another row's tokens)
-    known_ids = None if extras or input_ids is None else _unknown_where(input_ids, ~counted)
-    plan = cache.begin_forward(state.pool, fingerprint, known_ids, stored, shape, may_skip, logical=need_weights,
-                               new_turn=new_turn)
-    if plan.skip:
-        kwargs = _drop_columns(kwargs, plan.skip)
-    return plan, need_weights, kwargs
-
-
-def _rope_scaled(limit: int | None, cache: PagedCache, position_ids, width: int) -> bool:
-    """Whether the forward spans `limit` positions or more, past which transformers picks
-    length-dependent RoPE frequencies by its largest position (None: the model's never change)."""
-    if limit is None:
-        return False
-    last = int(position_ids.max()) if position_ids is not None else cache.get_seq_length() + width - 1
-    return last + 1 >= limit
-
-
-def _compute_shared_prefixes(model, original, state, fingerprint: str, tenant: str, input_ids, attention_mask):
-    """A fresh batch whose rows share an uncached prefix computes it once, in a packed forward
-    of its own, before the batch's forward inherits it in every row."""
-    ids = input_ids.detach().cpu().numpy()
-    real = (attention_mask.detach().cpu().numpy().astype(bool) if attention_mask is not None
-            else np.ones(ids.shape, dtype=bool))
-    prefixes = prefill.shared_prefixes(state.pool, fingerprint, tenant, ids, real)
-    if not prefixes:
-        return
-
-    def run(sequences, counts, tokens):
-        with torch.no_grad():  # only the K/V it stores is wanted
-            packed.run(original, state.backend, state.pool, sequences, counts, tokens, input_ids.device, logits_to_keep=1)
-
-    prefill.compute_prefixes(state.pool, fingerprint, tenant, prefixes, run)
-
-
-def _unknown_where(input_ids, rows: np.ndarray):
-    """`input_ids` with the ids of `rows` replaced by -1 (their KV must not be found by them)."""
-    if not rows.any():
-        return input_ids
-    return input_ids.masked_fill(torch.as_tensor(rows, device=input_ids.device)[:, None], -1)
-
-
-def _per_token_extras(kwargs) -> list[str]:
-    """Names of the per-token tensors (two dimensions or more) the forward gets besides its ids,
-    embeddings, mask, positions and cache."""
-    return [k for k, v in kwargs.items() if torch.is_tensor(v) and v.dim() >= 2 and k not in _PER_TOKEN_INPUTS
-            and k != "past_key_values"]
-
-
-def _may_skip(kwargs, extras: list[str]) -> bool:
-    """Whether the forward may drop leading columns a row has cached: only when just the last
-    position's logits are returned (generate) and nothing else per position is, and the caller
-    gives the positions: a model that derives them itself may derive them from the pad tokens
-    (Kosmos-2 counts non-pad ids), which a shortened forward would no longer see."""
-    if kwargs.get("position_ids") is None:
-        return False
-    if kwargs.get("logits_to_keep") != 1 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-        return False
-    return not extras
-
-
-def _drop_columns(kwargs, skip: int) -> dict:
-    """Shorten the forward to the columns some row still computes (prefix reuse). The caller's
-    positions are cut the same way, so RoPE and learned position embeddings see the truth."""
-    kwargs = dict(kwargs)
-    kwargs["position_ids"] = kwargs["position_ids"][..., skip:]
-    if kwargs.get("attention_mask") is not None:
-        kwargs["attention_mask"] = kwargs["attention_mask"][:, skip:]
-    for name in ("input_ids", "inputs_embeds"):
-        if kwargs.get(name) is not None:
-            kwargs[name] = kwargs[name][:, skip:]
-    return kwargs
+    return forward_plan.Context(original, state.backend, fingerprint, new_turn,
+                                mask_extends=call is not None and not new_turn, reproducible=not model.training,
+                                rope_limit=state.rope_limit, output_attentions=bool(model.config.output_attentions))
 
 
 # ---------------------------------------------------------- attention and mask

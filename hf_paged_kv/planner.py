@@ -1,7 +1,8 @@
-"""The forward planner: pure functions from sequences and new tokens to a `StepPlan`.
+"""Slot arithmetic: pure functions from sequences and new tokens to a `StepPlan`.
 
 No model, no pool, no lock: the caller has already given each sequence the blocks its new
-tokens need (`Sequence.blocks_needed`), so planning is arithmetic on block tables.
+tokens need (`Sequence.blocks_needed`), so this is arithmetic on block tables. A `generate`
+forward's planner (`forward_plan`) and the engine's packed forwards (`packed`) end here.
 
 - `plan_batch`: a `generate` forward, `[B, T]` with an attention mask. Row `b` belongs to
   `sequences[b]`; pads are never stored, and a pad *query* sees exactly what it sees with

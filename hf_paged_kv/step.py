@@ -1,8 +1,9 @@
 """StepPlan: what one forward writes into the pool and reads from it, the same for every layer.
 
-The planner (`planner.py`) builds one plan per forward on the host. Each attention layer then
-calls the backend twice with it: `write` stores the layer's new K/V at `slot_mapping`, and
-`attention` reads every sequence's keys through `block_tables`. transformers' attention function
+One plan per forward is built on the host (`planner.py`: for `generate` through `forward_plan`,
+for the serving engine through `packed`). Each attention layer then calls the backend twice
+with it: `write` stores the layer's new K/V at `slot_mapping`, and `attention` reads every
+sequence's keys through `block_tables`. transformers' attention function
 does not receive the cache, so the plan travels to it through `activate`, a per-thread context
 that the integration opens around the model's forward and the serving engine around its own.
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from hf_paged_kv import integration
+from hf_paged_kv.forward_plan import ForwardPlan
 from hf_paged_kv.backends.torch_backend import TorchBackend
 from hf_paged_kv.kernels import reference
 
@@ -57,14 +57,15 @@ def plant_heads_rotated():
 
 
 def plant_reused_positions_shifted():
-    drop = integration._drop_columns
+    inputs = ForwardPlan.inputs
 
-    def shifted(kwargs, skip):
-        kwargs = drop(kwargs, skip)
-        kwargs["position_ids"] = kwargs["position_ids"] + 1
+    def shifted(self, kwargs):
+        kwargs = inputs(self, kwargs)
+        if self.step.skip:  # a copy: the forward's own arguments stay as they were
+            kwargs["position_ids"] = kwargs["position_ids"] + 1
         return kwargs
 
-    integration._drop_columns = shifted
+    ForwardPlan.inputs = shifted
 
 
 def plant_cached_key_dropped():

@@ -1,10 +1,12 @@
-"""The forward planner on its own: pure functions from sequences and new tokens to a StepPlan
-(no model, no pool)."""
+"""The planner's arithmetic on its own: pure functions from sequences and new tokens to a
+StepPlan (no model, no pool)."""
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from hf_paged_kv.forward_plan import ForwardPlan
 from hf_paged_kv.planner import columns_to_skip, plan_batch, plan_packed
 from hf_paged_kv.sequence import Sequence
 
@@ -53,6 +55,19 @@ def test_inherited_prefix_is_not_rewritten_and_leading_columns_are_skipped():
     assert plan.batch_shape == (2, 6)
     assert plan.slot_mapping.reshape(2, 6).tolist() == [[-1, -1, -1, -1, 12, 13], [20, 21, 22, 23, 24, 25]]
     assert plan.q_pos.reshape(2, 6).tolist() == [[4, 5, 6, 7, 8, 9], [4, 5, 6, 7, 8, 9]]
+
+
+def test_a_planned_forward_drops_the_skipped_columns_of_every_per_token_input_alike():
+    """The model sees the columns some row computes, at the positions the caller gave them."""
+    real, inherited = np.ones((1, 6), dtype=bool), np.array([4])
+    step = plan_batch([seq([1, 2], length=4)], real, SIZE, inherited=inherited, skip=columns_to_skip(real, inherited))
+    plan = ForwardPlan(step, [], real, np.arange(6)[None], inherited, [], new_turn=True, need_weights=False)
+    given = {"input_ids": torch.arange(6)[None], "attention_mask": torch.ones(1, 6, dtype=torch.long),
+             "position_ids": torch.arange(6)[None], "logits_to_keep": 1}
+    inputs = plan.inputs(given)
+    assert [inputs[name].tolist() for name in ("input_ids", "position_ids")] == [[[4, 5]], [[4, 5]]]
+    assert inputs["attention_mask"].shape == (1, 2) and inputs["logits_to_keep"] == 1
+    assert given["input_ids"].shape == (1, 6)  # the caller's arguments stay as they were
 
 
 def test_the_last_column_is_always_computed():
