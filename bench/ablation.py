@@ -351,7 +351,7 @@ def trace_table(trace: str, variants: list[str], runs: dict, figures: dict) -> s
             cells.append(fmt(value, digits) + ("" if v == BASELINE else f" ({value - median(base, key):+.{digits}f})"))
         cells.append(f"{median(rs, 'preemptions'):g}")
         cells.append("baseline" if v == BASELINE else
-                     ("(reference)" if v == CORE else verdict(*moves(rs, base, figures))))
+                     ("the rules together: " if v == CORE else "") + verdict(*moves(rs, base, figures)))
         rows.append(cells)
     rows.append(["spread of all rules (max - min)", f"{spread(base, 'within'):g}",
                  *[fmt(spread(base, key), digits) for n, (key, _, digits) in figures.items() if n != "within SLO"],
@@ -554,7 +554,7 @@ def main() -> int:
             Path(args.results).write_text(json.dumps(data))
     common.REVISION = data["measured"]  # the section's stamp: the library measured, not the bench scripts' tree
     body, checks = report(args, variants, data)
-    return checks.finish("ablation", body, args.smoke)
+    return checks.finish("ablation", body, args.smoke, after="emulated-load-targets")
 
 
 if __name__ == "__main__":

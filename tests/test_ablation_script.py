@@ -56,7 +56,7 @@ def test_smoke_run_prints_every_variant_on_both_traces_and_leaves_the_docs_alone
         assert all(len(row) == len(table[0]) for row in table), table
         assert [row[0] for row in table[1:]] == [*variants, "spread of all rules (max - min)"]
         assert all(re.fullmatch(r"\d+ of \d+, median \d+( \([+-]\d+\))?", row[1]) for row in table[1:-1]), table
-        assert table[1][-1] == "baseline" and table[2][-1] == "(reference)"
+        assert table[1][-1] == "baseline" and table[2][-1].startswith("the rules together: ")
         assert all(re.match(r"(helps|hurts|mixed|no gain)", row[-1]) for row in table[3:-1]), table
     assert "p99 TTFT at the peak s (Δ)" in tidal[0] and "p99 TTFT at the peak s (Δ)" not in steady[0]
     assert [row[0] for row in verdicts[1:]] == variants[2:]
