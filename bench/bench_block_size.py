@@ -47,7 +47,7 @@ def planning_seconds(model, size: int, context: int, steps: int) -> float:
     """Host seconds `begin_forward` + `finish_forward` take for one decode step of a row of
     `context` tokens (no model): the bookkeeping that grows with the number of blocks."""
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=context // size + 64, block_size=size))
-    fingerprint = hf_paged_kv.integration.current_fingerprint(model)
+    fingerprint = hf_paged_kv.integration.hooks.current_fingerprint(model)
     cache = PagedCache(reuse=False)
     ids = torch.randint(3, 500, (1, context))
     cache.begin_forward(pool, fingerprint, ids, None, (1, context), False)

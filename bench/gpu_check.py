@@ -67,7 +67,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache
-from hf_paged_kv.integration import state_of
+from hf_paged_kv.integration.hooks import state_of
 
 try:
     import common  # bench/common.py; it asks git for the revision when imported

@@ -8,7 +8,7 @@
 """
 
 from .pool import advise_block_size
-from .cache import PagedCache
+from .cache.paged_cache import PagedCache
 from .engine import SLO, Engine, EngineConfig, Limits, RequestFailed, RequestHandle, Thresholds
 from .errors import (
     CacheReleasedError,
@@ -18,10 +18,10 @@ from .errors import (
     PoolExhaustedError,
     UnsupportedModelError,
 )
-from .integration import disable, enable, is_enabled, pool_of
-from .pipeline import pipeline
+from .integration.hooks import disable, enable, is_enabled, pool_of
+from .integration.pipeline import pipeline
 from .pool import KVPool
-from .prefixes import cached_tokens, persist, pin, publish, unpin
+from .reuse.prefixes import cached_tokens, persist, pin, publish, unpin
 from .reuse import SemanticIndex
 from .reuse.pins import PinBudgetError
 

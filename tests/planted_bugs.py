@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from hf_paged_kv.forward_plan import ForwardPlan
+from hf_paged_kv.cache.forward_plan import ForwardPlan
 from hf_paged_kv.backends.torch_backend import TorchBackend
 from hf_paged_kv.kernels import reference
 

@@ -16,7 +16,7 @@ from hf_paged_kv.engine.request import Request, SamplingParams
 from hf_paged_kv.engine.scheduler import Scheduler
 from hf_paged_kv.pool import LayerSpec
 from hf_paged_kv.reuse.prefix_index import PUBLIC_TENANT
-from hf_paged_kv.sequence import Sequence
+from hf_paged_kv.cache.sequence import Sequence
 
 MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
 

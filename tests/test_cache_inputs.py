@@ -67,7 +67,7 @@ def test_an_attention_mask_that_does_not_cover_the_input_is_refused_clearly():
 def test_an_interruption_while_a_forward_is_planned_leaves_no_block_behind(monkeypatch):
     """Only a full pool was undone before; any exception (an interrupt, a failing tier) now gives
     back every block the planning took."""
-    from hf_paged_kv import planner
+    from hf_paged_kv.cache import planner
 
     model = make_model("llama", seed=3)
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=4))

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, PagedKVError
-from hf_paged_kv.fingerprint import sample
+from hf_paged_kv.integration.fingerprint import sample
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BLOCK = 8

@@ -48,7 +48,7 @@ def test_an_attention_implementation_switched_after_enable_stores_nothing(llama)
     with PagedCache() as cache, pytest.raises(PagedKVError, match="0 of the model's 2 attention layers ran"):
         llama(input_ids=ids, attention_mask=mask, past_key_values=cache)
     assert pool.stats()["blocks_cached"] == 0
-    llama.set_attn_implementation(hf_paged_kv.integration.ATTENTION_NAME)
+    llama.set_attn_implementation(hf_paged_kv.integration.hooks.ATTENTION_NAME)
     with PagedCache() as cache:
         assert torch.equal(greedy(llama, cache, ids, mask, new_tokens=6), expected)
     assert_pool_clean(pool)

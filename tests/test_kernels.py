@@ -305,7 +305,7 @@ def test_auto_backend_is_torch_on_cpu_and_triton_on_cuda():
     from conftest import make_model
 
     import hf_paged_kv
-    from hf_paged_kv.integration import state_of
+    from hf_paged_kv.integration.hooks import state_of
 
     model = make_model("llama").to(DEVICE)
     hf_paged_kv.enable(model)
@@ -359,8 +359,8 @@ def test_torch_backend_packed_forward_matches_reference(window, softcap, gather_
     from hf_paged_kv.backends.torch_backend import TorchBackend
 
     monkeypatch.setattr(torch_backend, "GATHER_BYTES", gather_bytes)
-    from hf_paged_kv.planner import plan_packed
-    from hf_paged_kv.sequence import Sequence
+    from hf_paged_kv.cache.planner import plan_packed
+    from hf_paged_kv.cache.sequence import Sequence
 
     gen = torch.Generator().manual_seed(5)
     block_size, kv_heads, heads, head_dim = 4, 2, 4, 16

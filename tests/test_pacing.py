@@ -16,7 +16,7 @@ from hf_paged_kv.engine import Limits
 from hf_paged_kv.engine.costs import MOST_TOKENS, StepCosts
 from hf_paged_kv.engine.pacing import MARGIN, MIN_PREFILL, slack, step_budget
 from hf_paged_kv.engine.request import Request, SamplingParams
-from hf_paged_kv.sequence import Sequence
+from hf_paged_kv.cache.sequence import Sequence
 
 TARGET = 0.3
 LIMITS = Limits(max_batch_tokens=512, per_token_target=TARGET)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hf_paged_kv.forward_plan import ForwardPlan
-from hf_paged_kv.planner import columns_to_skip, plan_batch, plan_packed
-from hf_paged_kv.sequence import Sequence
+from hf_paged_kv.cache.forward_plan import ForwardPlan
+from hf_paged_kv.cache.planner import columns_to_skip, plan_batch, plan_packed
+from hf_paged_kv.cache.sequence import Sequence
 
 SIZE = 4
 

@@ -384,7 +384,7 @@ def test_rope_scaled_by_the_forward_length_is_never_shared(kind):
     expected = {name: greedy(model, DynamicCache(), ids, torch.ones_like(ids), new_tokens=6)
                 for name, ids in (("long", long_batch), ("short", short))}
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=64, block_size=8))
-    assert hf_paged_kv.integration.state_of(model).rope_limit == 32
+    assert hf_paged_kv.integration.hooks.state_of(model).rope_limit == 32
     with PagedCache() as cache:  # a cold batch sharing a prefix, past the original context
         got = greedy(model, cache, long_batch, torch.ones_like(long_batch), new_tokens=6)
         assert cache.inherited == [0, 0]

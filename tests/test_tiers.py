@@ -15,7 +15,7 @@ from transformers import DynamicCache
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache
-from hf_paged_kv.integration import current_fingerprint
+from hf_paged_kv.integration.hooks import current_fingerprint
 
 BLOCK = 8
 

@@ -49,7 +49,7 @@ MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_
            v_head_dim=12)
 DSA = dict(MLA, index_n_heads=2, index_head_dim=16, index_topk=8)  # DeepSeek sparse attention indexer
 
-# Regexes of the refusal reasons (hf_paged_kv/model_checks.py words them).
+# Regexes of the refusal reasons (hf_paged_kv/integration/model_checks.py words them).
 NO_INTERFACE = r"does not use transformers' attention interface"
 ENCODER_DECODER = r"encoder-decoder"
 SINKS = r"attention sinks"

@@ -18,7 +18,7 @@ import torch
 
 from hf_paged_kv.kernels import reference
 
-from ..step import to_device
+from ..cache.step import to_device
 
 
 class TorchBackend:

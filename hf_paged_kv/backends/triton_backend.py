@@ -18,7 +18,7 @@ from hf_paged_kv.kernels.paged_prefill import paged_prefill
 from hf_paged_kv.kernels.triton_utils import unsupported
 from hf_paged_kv.kernels.write_kv import WriteSetup
 
-from ..step import to_device
+from ..cache.step import to_device
 from .torch_backend import TorchBackend
 
 

@@ -31,7 +31,7 @@ import torch
 from .. import arguments
 from ..pool import Advice, advise_block_size
 from ..errors import PagedKVError, UnsupportedModelError
-from ..integration import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
+from ..integration.hooks import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
 from ..pool import KVPool
 from . import openmp, runner
 from .config import EngineConfig, Limits

@@ -24,7 +24,7 @@ import torch
 
 from .. import arguments
 from ..errors import PagedKVError
-from ..sequence import Sequence
+from ..cache.sequence import Sequence
 
 _ids = itertools.count(1)
 

@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GenerationConfig
 
-from .. import packed, step
+from ..cache import packed, step
 from ..errors import PoolExhaustedError, UnsupportedModelError
 from ..pool import KVPool
-from ..sequence import Sequence
+from ..cache.sequence import Sequence
 from .request import Request
 
 

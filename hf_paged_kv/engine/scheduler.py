@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
-from ..sequence import Sequence
+from ..cache.sequence import Sequence
 from . import pacing
 from .config import Limits
 from .costs import StepCosts

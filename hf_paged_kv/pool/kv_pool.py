@@ -32,7 +32,7 @@ from ..errors import PagedKVError, PoolExhaustedError
 from .policy import BlockMeta, Policy
 from ..reuse.manager import ReuseManager
 from ..reuse.pins import check_settings
-from ..sequence import Sequence
+from ..cache.sequence import Sequence
 from ..tiers.chain import TierChain
 
 

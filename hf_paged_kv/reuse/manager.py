@@ -17,7 +17,7 @@ import numpy as np
 
 from ..pool.allocator import BlockAllocator
 from ..pool.policy import BlockMeta, Policy
-from ..sequence import Sequence
+from ..cache.sequence import Sequence
 from .pins import PinRegistry
 from .prefix_index import PrefixIndex
 from .semantic import SemanticIndex

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..fingerprint import is_local
+from ..integration.fingerprint import is_local
 from ..pool.policy import BlockMeta, Policy
 from . import transfer
 from .disk import DiskTier

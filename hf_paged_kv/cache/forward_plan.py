@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from . import history, packed, planner
-from .errors import PagedKVError, PoolExhaustedError
-from .pool import KVPool
+from ..errors import PagedKVError, PoolExhaustedError
+from ..pool import KVPool
 from .sequence import Sequence
 from .step import StepPlan
 

@@ -32,10 +32,11 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
-from . import arguments, forward_plan, step
-from .errors import CacheReleasedError, NotEnabledError, PagedKVError
-from .pool import KVPool
-from .reuse.pins import TurnPins
+from .. import arguments
+from . import forward_plan, step
+from ..errors import CacheReleasedError, NotEnabledError, PagedKVError
+from ..pool import KVPool
+from ..reuse.pins import TurnPins
 from .sequence import Sequence
 
 

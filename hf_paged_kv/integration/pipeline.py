@@ -14,8 +14,8 @@ from __future__ import annotations
 import transformers
 from transformers.pipelines.text_generation import TextGenerationPipeline
 
-from .integration import enable
-from .cache import PagedCache
+from .hooks import enable
+from ..cache.paged_cache import PagedCache
 
 
 class PagedTextGenerationPipeline(TextGenerationPipeline):

@@ -11,7 +11,7 @@ import torch
 
 from . import step
 from .planner import plan_packed
-from .pool import KVPool
+from ..pool import KVPool
 from .sequence import Sequence
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .errors import PagedKVError
+from ..errors import PagedKVError
 
 _local = threading.local()
 

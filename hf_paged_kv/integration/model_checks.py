@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import step
-from .errors import UnsupportedModelError
-from .pool import LayerSpec
+from ..cache import step
+from ..errors import UnsupportedModelError
+from ..pool import LayerSpec
 
 SUPPORTED_LAYER_TYPES = {"full_attention", "sliding_attention"}
 REFUSED_KWARGS = {

@@ -19,8 +19,8 @@ import warnings
 import numpy as np
 import torch
 
-from .errors import PagedKVError
-from .pool import KVPool
+from ..errors import PagedKVError
+from ..pool import KVPool
 from .sequence import Sequence
 
 

@@ -15,12 +15,12 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from . import arguments
-from .arguments import PUBLIC_TENANT
-from .cache import PagedCache
-from .errors import PagedKVError
-from .integration import current_fingerprint, pool_of, state_of
-from .reuse.pins import Pin
+from .. import arguments
+from ..arguments import PUBLIC_TENANT
+from ..cache.paged_cache import PagedCache
+from ..errors import PagedKVError
+from ..integration.hooks import current_fingerprint, pool_of, state_of
+from .pins import Pin
 
 
 def publish(model, prefix, tokenizer=None) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import PagedKVError
+from ..errors import PagedKVError
 from .sequence import Sequence
 from .step import StepPlan
 

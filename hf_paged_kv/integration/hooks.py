@@ -36,12 +36,13 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from . import backends, forward_plan, history, step
-from .cache import PagedCache
-from .errors import NotEnabledError, PagedKVError, UnsupportedModelError
+from .. import backends
+from ..cache import forward_plan, history, step
+from ..cache.paged_cache import PagedCache
+from ..errors import NotEnabledError, PagedKVError, UnsupportedModelError
 from .fingerprint import InPlaceEdits, model_fingerprint
 from .model_checks import REFUSED_KWARGS, check_config, probe, rope_length_limit
-from .pool import KVPool
+from ..pool import KVPool
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
 _STATE_ATTR = "hf_paged_kv_state"
