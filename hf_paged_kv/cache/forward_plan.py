@@ -292,8 +292,7 @@ def _compute_shared_prefixes(context: Context, pool: KVPool, tenant: str, input_
     sequences = [Sequence() for _ in prefixes]
     with pool.locked():
         for sequence, tokens in zip(sequences, prefixes):
-            blocks, length = pool.reuse.inherit(model, tenant, np.asarray(tokens), len(tokens),
-                                                lambda digest, after: pool.promote(digest, model, after))
+            blocks, length = pool.inherit(model, tenant, tokens, len(tokens))
             sequence.blocks, sequence.length, sequence.tokens = blocks, length, tokens[:length]
         counts = [len(t) - s.length for t, s in zip(prefixes, sequences)]
         try:
@@ -311,7 +310,7 @@ def _compute_shared_prefixes(context: Context, pool: KVPool, tenant: str, input_
             with pool.locked():
                 for sequence, tokens in zip(sequences, prefixes):
                     sequence.tokens, sequence.length = list(tokens), len(tokens)
-                    pool.reuse.index_sequence(model, tenant, sequence, 0)
+                    pool.publish_blocks(model, tenant, sequence, 0)
     finally:
         with pool.locked():
             for sequence in sequences:
@@ -322,20 +321,20 @@ def _shared_prefixes(pool: KVPool, model: str, tenant: str, ids: np.ndarray, rea
     """The longest whole-block prefixes that several rows of a fresh batch share and the pool
     does not hold yet, each once (a prefix inside another chosen one is left out)."""
     _check_mask(real.shape, *ids.shape)
-    size, index = pool.block_size, pool.reuse.index
+    size = pool.block_size
     # distinct prompts, each up to its first gap (a hole in its mask: see Sequence.shareable_length)
     rows = {tokens.tobytes(): tokens for tokens in (_before_gap(ids[b], real[b]) for b in range(len(ids)))}.values()
-    chains = [(tokens, index.chain(index.root(model, tenant), tokens[: (len(tokens) - 1) // size * size]))
+    chains = [(tokens, [own for own, _ in pool.digest_pairs(model, tenant, tokens, (len(tokens) - 1) // size)])
               for tokens in rows]
     counts: dict[bytes, int] = {}
     for _, chain in chains:
         for digest in chain:
             counts[digest] = counts.get(digest, 0) + 1
-    now, ends = pool.policy.now(), {}
+    ends = {}
     with pool.locked():  # another thread's eviction must not unindex a block between two looks
         for tokens, chain in chains:
             shared = [d for d, digest in enumerate(chain) if counts[digest] > 1]
-            if shared and index.lookup(chain[shared[-1]], now) is None:
+            if shared and not pool.is_cached(chain[shared[-1]]):
                 ends[chain[shared[-1]]] = (tokens[: (shared[-1] + 1) * size], set(chain[: shared[-1]]))
     inner = set().union(*(inside for _, inside in ends.values())) if ends else set()
     return [tokens.tolist() for digest, (tokens, _) in ends.items() if digest not in inner]
@@ -355,7 +354,7 @@ def _prompt_vectors(pool: KVPool, ids: np.ndarray, real: np.ndarray, canonical: 
         return [None] * len(ids)
     with pool.locked():  # runs queued finalizer work: rows the garbage collector released join the queue first
         pass
-    return [pool.reuse.embed(ids[b][real[b]]) if canonical[b] == b else None for b in range(len(ids))]
+    return [pool.embed(ids[b][real[b]]) if canonical[b] == b else None for b in range(len(ids))]
 
 
 def _inherit_rows(pool: KVPool, model: str, tenant: str, sequences: list[Sequence], ids: np.ndarray,
@@ -369,8 +368,7 @@ def _inherit_rows(pool: KVPool, model: str, tenant: str, sequences: list[Sequenc
             continue
         tokens = ids[b][real[b]]
         limit = min(len(tokens) - 1, len(_before_gap(ids[b], real[b])))  # nothing past a hole is shared
-        blocks, length = pool.reuse.inherit(model, tenant, tokens, limit,
-                                            lambda digest, after: pool.promote(digest, model, after), vectors[b])
+        blocks, length = pool.inherit(model, tenant, tokens, limit, vectors[b])
         sequence.blocks, sequence.length, sequence.tokens = blocks, length, tokens[:length].tolist()
         inherited[b] = length
     inherited[:] = inherited[canonical]

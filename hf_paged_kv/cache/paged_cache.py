@@ -110,10 +110,10 @@ class PagedCache(Cache):
         shareable = offer and self.reuse and self._model is not None
         pin_until = self.turn_pins.at_release([s.length for s in sequences]) if shareable else None
         if pin_until:
-            self.turn_pins.pin(pool.reuse.pins, self.tenant, [s.blocks for s in sequences], pin_until, pool.block_size)
+            pool.pin_turns(self.turn_pins, self.tenant, [s.blocks for s in sequences], pin_until)
         for sequence in sequences:
             if shareable:
-                pool.reuse.offer(self._model, self.tenant, sequence)
+                pool.offer(self._model, self.tenant, sequence)
             pool.decref(sequence.blocks)
 
     def __enter__(self) -> "PagedCache":
@@ -275,10 +275,9 @@ class PagedCache(Cache):
         if self.reuse and self._model is not None:
             with self._pool.locked():
                 for sequence in self.sequences:
-                    self._pool.reuse.index_sequence(self._model, self.tenant, sequence, self.priority)
+                    self._pool.publish_blocks(self._model, self.tenant, sequence, self.priority)
                 if pin_until:
-                    self.turn_pins.pin(self._pool.reuse.pins, self.tenant, [s.blocks for s in self.sequences], pin_until,
-                                       self._pool.block_size)
+                    self._pool.pin_turns(self.turn_pins, self.tenant, [s.blocks for s in self.sequences], pin_until)
 
     def abort_forward(self) -> None:
         """The forward raised (any exception, KeyboardInterrupt included): undo its planning.

@@ -17,6 +17,7 @@ Every operation runs under one lock (`locked()`); callers that combine several t
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 import mmap
 import threading
@@ -31,7 +32,7 @@ from .allocator import BlockAllocator
 from ..errors import PagedKVError, PoolExhaustedError
 from .policy import BlockMeta, Policy
 from ..reuse.manager import ReuseManager
-from ..reuse.pins import check_settings
+from ..reuse.pins import Pin, TurnPins, check_settings
 from ..cache.sequence import Sequence
 from ..tiers.chain import TierChain
 
@@ -287,6 +288,51 @@ class KVPool:
         with self.locked():
             self.reuse.index_sequence(model, tenant, sequence, priority)
 
+    def offer(self, model: str, tenant: str, sequence: Sequence) -> None:
+        """Offer a finished row to the semantic index (its embedding is computed later)."""
+        with self.locked():
+            self.reuse.offer(model, tenant, sequence)
+
+    def embed(self, tokens) -> np.ndarray | None:
+        """A prompt's sentence embedding for the semantic lookup (None without a semantic index).
+        Slow: call it outside the pool's lock."""
+        return self.reuse.embed(tokens)
+
+    def shareable(self, blocks: list[int]) -> int:
+        """How many of `blocks`, from the first, are indexed: what a later request may inherit."""
+        with self.locked():
+            return sum(1 for _ in itertools.takewhile(self.reuse.index.is_cached, blocks))
+
+    def pin(self, blocks: list[int], tenant: str, priority: int = 0, ttl: float | None = None,
+            reason: str = "explicit") -> Pin | None:
+        """Lock indexed `blocks` in device memory under the pin budget (see `PinRegistry.add`)."""
+        with self.locked():
+            return self.reuse.pins.add(blocks, tenant, priority, ttl, reason)
+
+    def unpin(self, pin: Pin) -> None:
+        """Release `pin`; its blocks stay cached. A pin released already, or another pool's,
+        changes nothing."""
+        with self.locked():
+            self.reuse.pins.remove(pin)
+
+    def pin_turns(self, turn_pins: TurnPins, tenant: str, tables: list[list[int]], lengths: list[int]) -> None:
+        """Pin the first turns of a conversation's rows (`PagedCache(pin_turns=...)`)."""
+        with self.locked():
+            turn_pins.pin(self.reuse.pins, tenant, tables, lengths, self.block_size)
+
+    def persist(self, blocks: list[int]) -> int:
+        """Write indexed `blocks` to the disk tier now, from the first, stopping at the first one
+        it does not keep; returns how many leading ones are on disk afterwards (0 without a disk
+        tier, `has_disk_tier`)."""
+        if not self.has_disk_tier:
+            return 0
+        with self.locked():
+            metas = [self.reuse.index.metas[block] for block in blocks]
+            for meta, block in zip(metas, blocks):
+                if not self.tiers.write_to_disk(meta, self.block_layers(block)):
+                    break
+            return next((i for i, meta in enumerate(metas) if not self.tiers.disk.contains(meta.digest)), len(metas))
+
     def pinned_blocks(self, besides: str | None = None) -> set[int]:
         """The blocks pins hold, but for the pins of reason `besides` ("hot": the automatic ones)."""
         with self.locked():
@@ -305,6 +351,10 @@ class KVPool:
     @property
     def has_host_tier(self) -> bool:
         return self.tiers.host is not None
+
+    @property
+    def has_disk_tier(self) -> bool:
+        return self.tiers.disk is not None
 
     @property
     def has_lower_tiers(self) -> bool:

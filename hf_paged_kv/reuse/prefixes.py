@@ -9,7 +9,6 @@ persist it to the disk tier. Each computes the prefix (or finds it cached) first
 
 from __future__ import annotations
 
-import itertools
 from contextlib import contextmanager
 
 import numpy as np
@@ -48,16 +47,13 @@ def pin(model, prefix, tokenizer=None, tenant: str = "default", priority: int = 
     with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
         if not blocks:
             raise ValueError(f"the prefix fills no block of {pool.block_size} tokens; nothing to pin")
-        with pool.locked():
-            return pool.reuse.pins.add(blocks, tenant, priority, ttl, "explicit")
+        return pool.pin(blocks, tenant, priority, ttl)
 
 
 def unpin(model, pin: Pin) -> None:
     """Release a pin; its blocks stay cached (evictable) for reuse. A pin already released or
     expired, or another pool's, changes nothing."""
-    pool = pool_of(model)
-    with pool.locked():
-        pool.reuse.pins.remove(pin)
+    pool_of(model).unpin(pin)
 
 
 def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
@@ -68,16 +64,10 @@ def persist(model, prefix, tokenizer=None, tenant: str = "default") -> int:
     writing stops at the first one the disk does not keep, since a block after it could only be
     found through it (and would make room by dropping files of other prefixes for nothing)."""
     pool = pool_of(model)
-    if pool.tiers.disk is None:
+    if not pool.has_disk_tier:  # refused before computing anything
         raise PagedKVError("persist needs a disk tier: KVPool(disk_dir=...)")
     with _prefix_blocks(model, prefix, tokenizer, PagedCache(tenant=tenant)) as blocks:
-        with pool.locked():
-            metas = [pool.reuse.index.metas[block] for block in blocks]
-            for meta, block in zip(metas, blocks):
-                if not pool.tiers.write_to_disk(meta, pool.block_layers(block)):
-                    break
-            kept = next((i for i, meta in enumerate(metas) if not pool.tiers.disk.contains(meta.digest)), len(metas))
-    return kept * pool.block_size
+        return pool.persist(blocks) * pool.block_size
 
 
 def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dict[str, int]:
@@ -87,8 +77,7 @@ def cached_tokens(model, prefix, tokenizer=None, tenant: str = "default") -> dic
     computes its last token (its logits pick the first new token), so it inherits the blocks
     before the one holding that token."""
     pool, tokens = pool_of(model), np.asarray(_token_ids(prefix, tokenizer), dtype=np.int64)
-    with pool.locked():
-        return pool.reuse.probe(current_fingerprint(model), tenant, tokens, pool.tiers.has)
+    return pool.probe(current_fingerprint(model), tenant, tokens)
 
 
 def _token_ids(prefix, tokenizer) -> list[int]:
@@ -118,8 +107,7 @@ def _prefix_blocks(model, prefix, tokenizer, cache: PagedCache):
             model(input_ids=ids, position_ids=torch.arange(ids.shape[1], device=ids.device)[None], past_key_values=cache,
                   logits_to_keep=1)
         blocks = cache.block_tables()[0][: ids.shape[1] // pool.block_size]
-        with pool.locked():
-            shareable = sum(1 for _ in itertools.takewhile(pool.reuse.index.is_cached, blocks))
+        shareable = pool.shareable(blocks)
         if shareable < len(blocks):
             limit = state_of(model).rope_limit
             why = ("the model is in train mode" if model.training else
