@@ -29,6 +29,7 @@ from common import (
 
 import hf_paged_kv
 from hf_paged_kv import KVPool, PagedCache, advise_block_size
+from hf_paged_kv.cache import forward_plan
 
 SIZES = (8, 16, 32, 64, 128)
 
@@ -44,18 +45,21 @@ def prompt_lengths(tokenizer, smoke: bool) -> list[int]:
 
 
 def planning_seconds(model, size: int, context: int, steps: int) -> float:
-    """Host seconds `begin_forward` + `finish_forward` take for one decode step of a row of
-    `context` tokens (no model): the bookkeeping that grows with the number of blocks."""
+    """Host seconds planning and committing one decode step of a row of `context` tokens take
+    (`forward_plan.plan_rows` + `finish_forward`, no model): the bookkeeping that grows with the
+    number of blocks."""
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=context // size + 64, block_size=size))
     fingerprint = hf_paged_kv.integration.hooks.current_fingerprint(model)
     cache = PagedCache(reuse=False)
     ids = torch.randint(3, 500, (1, context))
-    cache.begin_forward(pool, fingerprint, ids, None, (1, context), False)
+    cache.claim()
+    forward_plan.plan_rows(cache, pool, fingerprint, ids, None, (1, context), False)
     cache.finish_forward()
     step = torch.randint(3, 500, (1, 1))
     start = time.perf_counter()
     for _ in range(steps):
-        cache.begin_forward(pool, fingerprint, step, None, (1, 1), False)
+        cache.claim()
+        forward_plan.plan_rows(cache, pool, fingerprint, step, None, (1, 1), False)
         cache.finish_forward()
     seconds = (time.perf_counter() - start) / steps
     cache.release()

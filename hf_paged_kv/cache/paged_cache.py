@@ -28,7 +28,6 @@ import functools
 import threading
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -145,7 +144,7 @@ class PagedCache(Cache):
 
     def claim(self) -> None:
         """Reserve the cache for a forward of this thread before anything reads or changes its rows;
-        other threads' use raises until `finish_forward` or `abort_forward` (`begin_forward` claims too)."""
+        other threads' use raises until `finish_forward` or `abort_forward`."""
         with _CLAIMING:  # checking that the cache is free and claiming it are one step: two threads never both pass
             self.check_usable()
             mine = self._forward is not None and self._forward.thread is threading.current_thread()
@@ -250,19 +249,6 @@ class PagedCache(Cache):
         self.sequences = plan.sequences
         if not plan.lengths_before:  # the forward begins the cache
             self.inherited = plan.inherited.tolist()
-
-    def begin_forward(self, pool: KVPool, model: str, input_ids, stored: np.ndarray | None, shape: tuple[int, int],
-                      allow_reuse: bool, logical: bool = False, new_turn: bool | None = None) -> step.StepPlan:
-        """Claim the cache and plan a forward whose inputs are known without a model
-        (`forward_plan.plan_rows` says what the arguments mean); returns its StepPlan. The
-        forward wrapper plans through `forward_plan.plan`, which reads the model's inputs first."""
-        self.claim()
-        try:
-            return forward_plan.plan_rows(self, pool, model, input_ids, stored, shape, allow_reuse, logical,
-                                          new_turn).step
-        except BaseException:
-            self.abort_forward()  # planning changed nothing: the claim goes too
-            raise
 
     def finish_forward(self) -> None:
         """The forward succeeded: adopt its tokens, offer the rows' new full blocks for reuse."""
