@@ -373,6 +373,13 @@ def overall(variants: list[str], runs: dict, traces: dict) -> list[list[str]]:
     return rows
 
 
+def p99_alone(variant: str, runs: dict, traces) -> bool:
+    """Whether the figures that `variant` moved beyond the spread, on any trace, are p99s only (some)."""
+    moved = [m for t in traces for listed in moves(runs[t, variant], runs[t, BASELINE], figures_of(t))
+             for m in listed]
+    return bool(moved) and all(m.startswith("p99") for m in moved)
+
+
 def figures_of(trace: str) -> dict:
     return FIGURES if trace == "tidal" else {k: f for k, f in FIGURES.items() if k != "p99 TTFT at the peak s"}
 
@@ -500,6 +507,10 @@ def report(args, variants: list[str], data: dict) -> tuple[str, Checks]:
     parts += ["**Verdicts** (helps: a figure worse without the rule on either trace; hurts: one better, none "
               "worse):", "", markdown_table(["variant", "switched off", "how", "verdict"],
                                             overall(variants, runs, traces)), ""]
+    p99_only = [v for v in variants if v not in (BASELINE, CORE) and p99_alone(v, runs, traces)]
+    if p99_only:
+        parts += ["Verdicts that rest on p99 time to first token alone (no count within the SLO, goodput, "
+                  f"throughput or rejection moved beyond the spread): {', '.join(p99_only)}.", ""]
     if args.missing:
         parts += [f"Not run, the library measured has no such rule: {', '.join(args.missing)}.", ""]
     side = ("one after another in one process, the switches restored after each run" if args.parallel <= 1 else
@@ -507,7 +518,7 @@ def report(args, variants: list[str], data: dict) -> tuple[str, Checks]:
     parts += [f"Method: forwards paced to {line[0] * 1e3:.0f} ms + {line[1] * 1e3:.2f} ms x n ("
               f"{'given' if data.get('line_given') else 'measured here: the model alone'}), each request generating "
               f"as many tokens as {model_name(args.smoke)} gives it; "
-              f"{args.repeats} repeat(s), every variant on both traces in each, the order rotated per repeat; "
+              f"{args.repeats} repeat{'s' if args.repeats > 1 else ''}, every variant on both traces in each, the order rotated per repeat; "
               f"{side}, after an untimed warm-up of 4 requests; medians. Goodput and tokens/s are over the makespan "
               f"(first arrival to last token); rejected: requests refused at least once; TTFT from the submission.",
               "",
