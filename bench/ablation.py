@@ -139,6 +139,9 @@ SWITCHES = {
     "no-budget-rule": [(("hf_paged_kv.engine.controller:Controller",), "_batch_budget", no_batch_budget)],
     "no-pressure": [(("hf_paged_kv.engine.load",), "engine_knobs", knobs_without_pressure)],
 }
+# variant -> the `Limits` field it sets, and to what
+LIMIT_SWITCHES = {"no-prefetch": ("prefetch_depth", 0), "no-growth-estimate": ("growth_from_outputs", False),
+                  "no-backfill": ("backfill_wait", 0.0)}
 
 
 def owner_of(candidates: tuple[str, ...], name: str):
@@ -158,7 +161,9 @@ def owner_of(candidates: tuple[str, ...], name: str):
 
 def available(variant: str) -> bool:
     """Whether the library imported has every switch of `variant` (later versions delete rules)."""
-    return all(owner_of(candidates, name) is not None for candidates, name, _ in SWITCHES.get(variant, []))
+    fields = hf_paged_kv.engine.Limits.__dataclass_fields__
+    return (all(owner_of(candidates, name) is not None for candidates, name, _ in SWITCHES.get(variant, []))
+            and (variant not in LIMIT_SWITCHES or LIMIT_SWITCHES[variant][0] in fields))
 
 
 @contextlib.contextmanager
@@ -184,12 +189,9 @@ def configured(variant: str, size: dict, slo: SLO) -> tuple[bool, dict, Threshol
     thresholds = dict(dwell=size["dwell"], tick=size["tick"])
     if variant == "no-burst":
         size["burst_batch_tokens"] = size["batch_tokens"]
-    elif variant == "no-prefetch":
-        size["limits"]["prefetch_depth"] = 0
-    elif variant == "no-growth-estimate":
-        size["limits"]["growth_from_outputs"] = False
-    elif variant == "no-backfill":
-        size["limits"]["backfill_wait"] = 0.0
+    elif variant in LIMIT_SWITCHES:
+        name, value = LIMIT_SWITCHES[variant]
+        size["limits"][name] = value
     elif variant == "no-overload":
         thresholds["overload_wait"] = math.inf
     return variant != CORE, size, Thresholds(**thresholds)

@@ -21,10 +21,10 @@ from hf_paged_kv.cache.sequence import Sequence
 MODEL = "test-model"  # the weights' fingerprint, as the engine passes it
 
 
-def scheduler(num_blocks=256, block_size=4, backfill_wait=1.0, seconds_per_token=0.001, ttft_target=None):
+def scheduler(num_blocks=256, block_size=4, seconds_per_token=0.001, ttft_target=None):
     pool = KVPool(num_blocks=num_blocks, block_size=block_size)
     pool.bind([LayerSpec(2, 8, torch.device("cpu"))], torch.float32)
-    made = Scheduler(pool, Limits(backfill_wait=backfill_wait, ttft_target=ttft_target))
+    made = Scheduler(pool, Limits(ttft_target=ttft_target))
     made.stepped(1, seconds_per_token, whole=True)  # the recent cost of a token, no fixed cost per step
     made.stepped(100, 100 * seconds_per_token, whole=True)
     return made
@@ -191,29 +191,12 @@ def hold(made: Scheduler, blocks: int) -> None:
     made.pool.allocate(blocks)
 
 
-def test_memory_lets_requests_of_the_same_priority_pass_a_blocked_one_while_it_is_young():
-    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
+def test_a_request_memory_turns_away_is_passed_by_no_one():
+    """Letting later requests that fit pass it (backfill) showed no gain in the ablation."""
+    made, now = scheduler(num_blocks=16), time.monotonic()
     hold(made, 10)
     big = queue(made, 30, now - 0.2)  # 8 blocks: does not fit beside the 10 held
-    small = queue(made, 6, now, first=500)  # 2 blocks: fits
-    assert admitted(made) == [small]
-    assert made.waiting == [big]
-
-
-def test_a_request_blocked_longer_than_backfill_wait_is_passed_by_no_one():
-    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
-    hold(made, 10)
-    big = queue(made, 30, now - 1.5)
-    small = queue(made, 6, now, first=500)
-    assert admitted(made) == []
-    assert made.waiting == [big, small]
-
-
-def test_a_lower_priority_never_passes_a_blocked_request():
-    made, now = scheduler(num_blocks=16, backfill_wait=1.0), time.monotonic()
-    hold(made, 10)
-    big = queue(made, 30, now - 0.2, priority=1)
-    small = queue(made, 6, now, priority=0, first=500)
+    small = queue(made, 6, now, first=500)  # 2 blocks: would fit
     assert admitted(made) == []
     assert made.waiting == [big, small]
 

@@ -269,11 +269,11 @@ def test_a_starved_priority_is_overload_and_one_starved_request_is_not():
 def test_knobs_start_and_end_at_their_configured_values_and_pressure_only_tightens():
     model = make_model("llama", seed=1)
     pool = KVPool(num_blocks=64, block_size=8, host_blocks=8)
-    configured = Limits(watermark=0.5, growth_ratio_min=0.6, prefetch_depth=32, demote_ahead=0.2, max_batch_tokens=8)
+    configured = Limits(watermark=0.5, growth_ratio_min=0.6, demote_ahead=0.2, max_batch_tokens=8)
     engine = Engine(model, pool=pool, limits=configured, slo=SLO(per_token=0.1),
                     thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals, limits = engine.load.controller, engine.load.signals, engine.limits
-    knobs = ("watermark", "growth_ratio_min", "prefetch_depth", "demote_ahead")
+    knobs = ("watermark", "growth_ratio_min", "demote_ahead")
     before = {name: getattr(limits, name) for name in knobs}
     now = time.monotonic()
     for levels, events, seconds, state in ((CALM, (), 3, "normal"), (FULL, ("preemption",), 3, "pressure"),
@@ -287,7 +287,6 @@ def test_knobs_start_and_end_at_their_configured_values_and_pressure_only_tighte
         assert controller.state == state
         if state == "pressure":  # each tightened or kept, never loosened
             assert limits.watermark == 0.5 and limits.growth_ratio_min == 0.6 and limits.demote_ahead == 0.2
-            assert limits.prefetch_depth == 0
         else:
             assert {name: getattr(limits, name) for name in knobs} == before
     signals.record("per_token", 1.0, now + 1)  # 10x the per-token target: a budget of 8 must not grow
@@ -459,9 +458,8 @@ def test_every_engine_actuator_moves_under_pressure_and_comes_back():
     now = into_pressure(controller, signals, time.monotonic())
     assert controller.state == "pressure"
     moved = {name for name, value in controller.settings().items() if value != before[name]}
-    assert {"watermark", "growth_reserve", "pin_budget", "half_life", "prefetch_depth", "hot_threshold",
-            "demote_ahead"} <= moved
-    assert pool.policy.half_life == 150.0 and engine.limits.prefetch_depth == 0 and pool.reuse.pins.budget == 0.125
+    assert {"watermark", "growth_reserve", "pin_budget", "half_life", "hot_threshold", "demote_ahead"} <= moved
+    assert pool.policy.half_life == 150.0 and pool.reuse.pins.budget == 0.125
     now = calm_down(controller, signals, now)
     assert controller.state == "normal"
     assert {k: v for k, v in controller.settings().items() if k != "max_batch_tokens"} == {

@@ -452,28 +452,6 @@ def test_engine_and_generate_share_cached_prefixes():
     assert_pool_clean(pool)
 
 
-def test_waiting_requests_prefixes_are_prefetched_from_the_host_tier():
-    """A prefix pushed down to host memory comes back to the device while its request waits
-    (into free blocks only), and the request inherits it."""
-    model = make_model("llama", seed=8)
-    system = prompts([48], seed=100)[0]
-    pool = KVPool(num_blocks=40, block_size=8, host_blocks=16)
-    limits = Limits(max_running=1, prefetch_depth=4, prefetch_watermark=0.0)  # one at a time: the rest wait
-    with Engine(model, pool=pool, limits=limits) as engine:
-        engine.submit(system + [3], max_new_tokens=2).result(timeout=60)
-        engine.pool.decref(engine.pool.allocate(engine.pool.num_available()))  # everything cached goes to host
-        assert hf_paged_kv.cached_tokens(model, system)["host"] == 48
-        blocker = engine.submit(prompts([20], seed=101)[0], max_new_tokens=6)
-        waiting = engine.submit(system + [4, 5], max_new_tokens=NEW)
-        got = waiting.result(timeout=60)
-        blocker.result(timeout=60)
-    stats = engine.stats()
-    assert stats["tokens_prefetched"] == 48 and stats["tokens_inherited"] == 48
-    hf_paged_kv.disable(model)
-    assert got == alone(model, system + [4, 5])
-    assert_pool_clean(pool)
-
-
 def test_a_request_larger_than_the_pool_fails_alone_and_clearly():
     """A prompt beyond what the whole pool holds fails with RequestFailed at admission; a request
     that outgrows the pool while generating ends there with the tokens it has, as at the end of

@@ -133,7 +133,7 @@ def test_bad_pool_arguments(kwargs, message):
         (dict(max_running=0), r"Limits.max_running must be >= 1"),
         (dict(max_waiting=0), r"Limits.max_waiting must be >= 1"),
         (dict(burst_batch_tokens=0), r"Limits.burst_batch_tokens must be >= 1"),
-        (dict(backfill_wait=-1.0), r"Limits.backfill_wait must be >= 0"),
+        (dict(growth_ratio_decay=-1.0), r"Limits.growth_ratio_decay must be >= 0"),
         (dict(watermark=1.5), r"Limits.watermark is a fraction in \[0, 1\]"),
         (dict(growth_ratio_min=-0.1), r"Limits.growth_ratio_min is a fraction"),
         (dict(ttft_target=0.0), r"Limits.ttft_target must be a finite number of seconds > 0"),

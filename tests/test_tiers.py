@@ -570,32 +570,6 @@ def test_one_eviction_demotes_every_block_bit_exact_in_one_batch(model):
     assert_pool_clean(pool)
 
 
-def test_a_block_brought_back_and_evicted_again_in_one_burst_is_demoted_with_its_data(model):
-    """`bring_back` lets go of each promoted block at once: the next allocation under the same
-    lock may evict it again, and must find its data there, not the block's earlier contents."""
-    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, host_blocks=16, hot_threshold=None))
-    prompt = tokens(4 * BLOCK + 1, 6)
-    _, _, blocks = request(model, prompt, blocks=4)
-    before = snapshot(pool, blocks)
-    evict_all(pool)
-    for cache in pool.key_cache + pool.value_cache:  # what a stale copy would demote
-        cache.fill_(7.0)
-    fingerprint = current_fingerprint(model)
-    with pool.locked():
-        brought = pool.reuse.bring_back(fingerprint, "default", prompt.numpy(),
-                                        lambda digest, after: pool.promote(digest, fingerprint, after))
-        assert brought == 4 * BLOCK
-        assert hf_paged_kv.cached_tokens(model, prompt)["device"] == 4 * BLOCK
-        evict_all(pool)  # the same burst: every block just brought back goes down again
-    assert hf_paged_kv.cached_tokens(model, prompt)["host"] == 4 * BLOCK
-    promoted = inherit(pool, model, prompt)
-    for now, original in zip(snapshot(pool, promoted), before, strict=True):
-        assert torch.equal(now, original)
-    pool.decref(promoted)
-    assert pool.stats()["promotions"] == 8 and pool.stats()["demotions"] == 8
-    assert_pool_clean(pool)
-
-
 def test_a_promotion_under_an_outer_lock_is_done_by_settle_or_when_the_lock_is_let_go(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=16, block_size=BLOCK, host_blocks=16))
     prompt = tokens(2 * BLOCK + 1, 9)

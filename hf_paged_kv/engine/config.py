@@ -79,7 +79,6 @@ class Limits:
     max_batch_tokens: int = 512
     max_waiting: int = 1024  # beyond this, submit sheds load (Overloaded)
     watermark: float = 0.0  # fraction of the pool admissions leave free
-    backfill_wait: float = 1.0  # s a request memory turns away lets later ones of its priority that fit pass it
     # s; set: a partial prompt chunk waits rather than delay a forward's first tokens (see
     # scheduler), and a forward may grow to give first tokens in time (see pacing)
     ttft_target: float | None = None
@@ -89,8 +88,6 @@ class Limits:
     # None: max_batch_tokens. The load controller sets twice the budget's configured value, its
     # budget knob's bound, and follows that value when a user changes it
     burst_batch_tokens: int | None = None
-    prefetch_depth: int = 2  # waiting requests whose prefixes come back from host/disk ahead of their turn
-    prefetch_watermark: float = 0.1  # prefetch uses only free blocks beyond this fraction of the pool
     demote_ahead: float = 0.0  # with a host tier, keep this fraction of the pool free by demoting cold blocks
     growth_ratio_init: float = 0.7
     growth_ratio_min: float = 0.1
@@ -108,10 +105,10 @@ class Limits:
         for name in ("max_running", "max_batch_tokens", "max_waiting", "growth_clip", "burst_batch_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("backfill_wait", "prefetch_depth", "growth_ratio_decay"):
+        for name in ("growth_ratio_decay",):
             if getattr(self, name) < 0:
                 raise ValueError(f"Limits.{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("watermark", "prefetch_watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
+        for name in ("watermark", "demote_ahead", "growth_ratio_init", "growth_ratio_min"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"Limits.{name} is a fraction in [0, 1], got {getattr(self, name)}")
         for name, without in (("ttft_target", "no target-driven admission"), ("per_token_target", "no pacing")):

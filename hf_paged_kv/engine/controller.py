@@ -8,8 +8,8 @@ flaps:
   pressure, and these moves would only lengthen its queue):
   admissions keep a watermark of the pool free and reserve more for growth, pins give way
   (smaller pin budget, higher hot threshold; they come back after), the decay half-life shortens
-  so cold prefixes leave sooner, prefetching stops, and cold cached blocks are demoted to the
-  host tier ahead of need (each only tightens what was configured); left when memory is calm in
+  so cold prefixes leave sooner, and cold cached blocks are demoted to the host tier ahead of
+  need (each only tightens what was configured); left when memory is calm in
   both windows;
 - **overload** (requests waited far longer than the target, admitted lately or still waiting,
   and the queue still holds late ones):
@@ -327,8 +327,6 @@ def engine_knobs(engine) -> list[Knob]:
         knob("pin_budget", pins, "budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0),
              configured=options["pin_budget"], apply=set_pin_budget),
         knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0), configured=options["half_life"]),
-        knob("prefetch_depth", limits, "prefetch_depth",
-             lambda c: ({"normal": c, "pressure": 0, "overload": 0}, 0, max(16, c)), int),
     ]
     if options["hot_threshold"] is not None:
         knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8),

@@ -254,7 +254,6 @@ class Engine:
             self.metrics.admitted(request)
             self.load.signals.record("queue_wait", request.admitted - request.arrived)
         self.metrics.inherited(plan.inherited)
-        self.metrics.count("tokens_prefetched", plan.prefetched)
         for request, reason in plan.impossible:
             self.outcomes.cannot_fit(request, reason)
 

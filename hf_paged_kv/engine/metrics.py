@@ -16,7 +16,7 @@ SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 OUTCOMES = ("finished", "rejected", "cancelled", "failed")
 COUNTERS = (*(f"requests_{outcome}" for outcome in OUTCOMES), "preemptions",
             "max_running", "tokens_prefilled", "tokens_inherited",
-            "tokens_recomputed", "tokens_prefetched", "tokens_generated", "steps", "controller_faults")
+            "tokens_recomputed", "tokens_generated", "steps", "controller_faults")
 
 
 class EngineMetrics:

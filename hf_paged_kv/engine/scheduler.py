@@ -18,15 +18,13 @@ One step, in `schedule`:
 2. Every running decode, then the next chunk of each running prefill.
 3. Their blocks. Where the pool has none to give, a running sequence is preempted instead of
    failing (`preempt`): the lowest priority first, then the cheapest to resume.
-4. Only in a step that preempted nothing: the next waiting requests' prefixes come back from the
-   host or disk tier into free blocks (prefetch), then waiting requests are admitted in turn
-   while the budget, `Limits.max_running` and memory allow.
+4. Only in a step that preempted nothing: waiting requests are admitted in turn while the
+   budget, `Limits.max_running` and memory allow.
 
 Memory rule: a request is admitted only if the free and evictable blocks cover its uncached
 tokens plus a reserve for the running sequences' growth (`reserve`: an estimated share of their
-remaining `max_new_tokens`, see `growth`) and the `Limits.watermark`. When memory turns a request
-away, later requests of its priority that fit may pass it while it has waited less than
-`Limits.backfill_wait`; after that, and by a lower priority, it is never passed.
+remaining `max_new_tokens`, see `growth`) and the `Limits.watermark`. A request memory turns
+away is passed by no one: admission stops there until it fits.
 
 Turn: by priority, then by when the prompt would be in had it started at arrival (arrival +
 uncached tokens x recent seconds per token): a burst's short prompts first, while a long prompt
@@ -76,7 +74,6 @@ class Schedule:
     # before it does leaves them in the queue, where a failing step's end_all finds them)
     impossible: list[tuple[Request, str]] = field(default_factory=list)
     inherited: int = 0  # prompt tokens the admissions inherited that no forward of theirs computed
-    prefetched: int = 0  # tokens brought back from the host or disk tier ahead of their turn
 
 
 class Scheduler:
@@ -128,7 +125,6 @@ class Scheduler:
         budget = self._budget()
         batch = self._grow(self._continuing(budget), plan)
         if not plan.preempted:  # admitting now would take the room the preemption just made
-            plan.prefetched = self._prefetch()
             ends_prompts = any(request.ends_prompt(n) for request, n in batch)
             batch += self._admit(budget - sum(n for _, n in batch), ends_prompts, plan)
         plan.batch = batch
@@ -240,7 +236,7 @@ class Scheduler:
 
     def _admit(self, budget: int, ends_prompts: bool, plan: Schedule) -> list[tuple[Request, int]]:
         """Admit waiting requests in turn while the budget, `max_running` and the memory rule
-        allow (see the module docstring for who may pass a request memory turns away).
+        allow; the first that memory turns away ends admission for this step.
 
         With a time-to-first-token target (`Limits.ttft_target`), a new prompt that would only
         start in a forward that already ends some prompt (`ends_prompts`) waits for a later
@@ -248,7 +244,7 @@ class Scheduler:
         `PARTIAL_DELAY` targets (at the marginal cost of a token); nothing behind it is admitted
         in this step."""
         with self.pool.locked():  # no other thread changes the pool between this step's probes and claims
-            admitted, blocked = [], None
+            admitted = []
             target = self.limits.ttft_target
             # fitted only when something waits: an empty queue admits nothing (the fit costs ~0.1 ms)
             per_token = self.costs.marginal_seconds_per_token() if target is not None and self.waiting else 0.0
@@ -256,8 +252,6 @@ class Scheduler:
             pinned = self.pool.pinned_blocks()
             for request in self.in_turn():
                 if budget <= 0 or len(self.running) >= self.limits.max_running:
-                    break
-                if blocked is not None and request.effective_priority < blocked.effective_priority:
                     break
                 if self.inflight and any(d in self.inflight for d in self.prefixes.chain(request)):
                     continue  # another request is computing its prefix: it inherits it next step
@@ -267,13 +261,8 @@ class Scheduler:
                     continue
                 whole = ends_prompts and target is not None and budget * per_token > PARTIAL_DELAY * target
                 count = self._try(request, budget, whole)
-                if count == DEFERRED:
+                if count is None or count == DEFERRED:
                     break
-                if count is None:
-                    blocked = blocked or request
-                    if time.monotonic() - blocked.arrived >= self.limits.backfill_wait:
-                        break
-                    continue
                 self.waiting.remove(request)
                 self.running.append(request)
                 # a preempted request coming back inherits its own blocks, and those another computed
@@ -341,19 +330,6 @@ class Scheduler:
             for digest in self.prefixes.chain(request)[computed_blocks:]:  # what sharers wait for
                 self.inflight.setdefault(digest, request)
         return count
-
-    def _prefetch(self) -> int:
-        """Bring the next `Limits.prefetch_depth` waiting requests' prefixes back from the host or
-        disk tier before their turn, only into free blocks above `Limits.prefetch_watermark` (a
-        fraction of the pool), so prefetching never evicts anything. The blocks stay cached,
-        unreferenced; returns the tokens brought back."""
-        model = self.prefixes.model
-        if model is None or not self.pool.has_lower_tiers or not self.waiting:
-            return 0
-        keep_free = int(self.limits.prefetch_watermark * self.pool.num_blocks) + 1
-        with self.pool.locked():
-            return sum(self.pool.bring_back(model, request.tenant, request.tokens(), keep_free)
-                       for request in self.in_turn()[: self.limits.prefetch_depth])
 
     # -------------------------------------------------------- preemption
     def preempt(self, request: Request) -> str:

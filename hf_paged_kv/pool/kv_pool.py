@@ -272,16 +272,6 @@ class KVPool:
             return self.reuse.inherit(model, tenant, np.asarray(tokens, dtype=np.int64), limit,
                                       lambda digest, after: self.promote(digest, model, after), vector)
 
-    def bring_back(self, model: str, tenant: str, tokens, keep_free: int) -> int:
-        """Prefetch: bring the lower-tier blocks of the longest cached prefix of `tokens` back to
-        the device while more than `keep_free` blocks are free (it never evicts), leaving them
-        cached and unreferenced. Returns the tokens brought back."""
-        def promote(digest: bytes, after: int | None):
-            return self.promote(digest, model, after) if self.allocator.num_free > keep_free else None
-
-        with self.locked():
-            return self.reuse.bring_back(model, tenant, np.asarray(tokens), promote)
-
     def publish_blocks(self, model: str, tenant: str, sequence: Sequence, priority: int = 0) -> None:
         """Index the sequence's newly full blocks (after a forward stored them), so that later
         requests of `tenant` with the same prefix inherit them."""

@@ -2,8 +2,8 @@
 
 It owns the exact prefix index, the optional semantic index and the pins, and counts what they
 do. It holds the allocator (to reference what it hands out) but not the pool: bringing a block
-back from a lower tier needs the pool's tensors, so `inherit` and `bring_back` take a `promote`
-callable, and a walk ends with `settle` (the pool's), which does the copies its promotions queued.
+back from a lower tier needs the pool's tensors, so `inherit` takes a `promote` callable, and
+a walk ends with `settle` (the pool's), which does the copies its promotions queued.
 Every call happens under the pool's lock, except `embed`.
 """
 
@@ -152,28 +152,6 @@ class ReuseManager:
         pins = sum(len(p.blocks) for p in self.pins.pins.values())
         semantic = sum(1 for e in self.semantic.entries if e.held is not None) if self.semantic is not None else 0
         return {"references_by_pins": pins, "references_by_semantic": semantic}
-
-    def bring_back(self, model: str, tenant: str, tokens, promote: Promote) -> int:
-        """Promote the lower-tier blocks of the longest cached prefix of `tokens` to the device
-        (prefetch), leaving them cached and unreferenced; counts no lookup or hit. Returns the
-        tokens promoted."""
-        now, promoted = self.policy.now(), 0
-        pairs = self.index.digest_pairs(model, tenant, tokens, (len(tokens) - 1) // self.block_size)
-        chain = self._device_prefix(pairs, now)
-        for mine, published in pairs[len(chain) :]:
-            block = self._continuing((mine, published), chain, now)
-            if block is None:
-                after = chain[-1] if chain else None
-                brought = promote(mine, after) or promote(published, after)
-                if brought is None:
-                    break
-                block, meta, _ = brought
-                self.index.adopt(block, meta, after)
-                self.allocator.decref([block])  # cached, unreferenced (evictable once its queued copy is done)
-                promoted += self.block_size
-            chain.append(block)
-        self.settle()
-        return promoted
 
     # --------------------------------------------------------------- offer
     def index_sequence(self, model: str, tenant: str, sequence: Sequence, priority: int) -> None:

@@ -22,13 +22,12 @@ tensor, not one copy per block and tensor (256 blocks of a 30-layer model took 1
 - Promotion: `load` does the bookkeeping of one block at once – the pool allocates it, the walk
   adopts it into the index, exactly as before – and only queues its copy; `flush` copies all the
   queued blocks in one batch. Deferring the data only keeps every decision of the walk
-  (`ReuseManager._exact`, `bring_back`: allocations that may evict, blocks that come from disk
+  (`ReuseManager._exact`: allocations that may evict, blocks that come from disk
   instead, a walk that stops halfway) as it was, where collecting the walk first and allocating
   after would have had to redo them. What deferring must guarantee: nothing reads a queued block
   before `flush`, and no slot is reused before `flush` has read it. The slot stays taken until
   then; the pool holds one more reference on the block while its copy is queued, so no eviction
-  (demotion), `decref` or failure path frees or reuses it (a block `bring_back` lets go of at
-  once stays until its data is there); and the pool flushes at the end of every walk, inside the
+  (demotion), `decref` or failure path frees or reuses it; and the pool flushes at the end of every walk, inside the
   walk's exception handling, and when its lock is let go (`promotion`), so a forward, a disk
   write or `audit` never sees a queued block. A flush that fails unindexes its blocks. An
   eviction inside a walk when every slot is queued sends its block straight to disk.
