@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bench_scripts import tables
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "bench"
@@ -24,17 +25,6 @@ def ablation(monkeypatch):
     import ablation
 
     return ablation
-
-
-def tables(text: str) -> list[list[list[str]]]:
-    found, current = [], []
-    for line in text.splitlines() + [""]:
-        if line.startswith("|") and line.endswith("|"):
-            current.append([cell.strip() for cell in line[1:-1].split("|")])
-        elif current:
-            found.append([row for row in current if not set("".join(row)) <= set("-:")])
-            current = []
-    return found
 
 
 @pytest.mark.slow
