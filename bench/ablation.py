@@ -4,6 +4,7 @@ against the engine with every rule and the engine with nothing but the core.
     python bench/ablation.py                          # every variant, 3 alternating repeats, 4 runs at a time
     python bench/ablation.py --variants "all rules" core no-triage --repeats 5 --parallel 3
     python bench/ablation.py --smoke                  # tiny sizes, every variant once, in-process; prints only
+    python bench/ablation.py --traces overload --variants "all rules" core no-shedding no-overload
 
 A rule beyond the core (a token budget, a cap on running sequences, admission by free blocks) stays
 only if switching it off worsens a named figure – requests within the SLO (availability), goodput,
@@ -13,7 +14,10 @@ Traces, both on `emulate_load`'s stand-in (a tiny random Llama whose forwards sl
 measured forward-time line, each request generating as many tokens as SmolLM2 gives it): the tidal
 trace (bench_load's: 99 requests over 180 s, its pool, host tier, limits) and the steady mixed
 workload (bench_engine's 64 requests, Poisson arrivals at `--steady-rate`, its pool and limits, and a
-host tier as large as the pool, as bench_load gives its engines). SLO targets of each trace are
+host tier as large as the pool, as bench_load gives its engines). Neither enters the controller's
+overload state, so a third trace exists for the rules that only act there (shedding, the overload
+state): `overload`, the tidal trace's requests arriving `OVERLOAD_RATE` times as fast for a minute, far
+past what the engine serves within its targets; it has a section of its own. SLO targets of each trace are
 calibrated the way bench_load does (5 x the time to first token alone, 3 x the per-token latency of 8
 requests decoding together), on the stand-in paced to the line: the model of the machine the runs use,
 and no measure of whatever else the machine runs meanwhile. `--line` gives the line instead of
@@ -85,7 +89,10 @@ FIGURES = {
     "tokens/s": ("throughput", 1, 1),
     "rejected": ("rejected", -1, 0),
 }
-TRACES = ("tidal", "steady")
+HIGH_FIGURE = {"priority 1 within SLO": ("within_high", 1, 0)}  # what shedding protects: the overload trace's
+TRACES = ("tidal", "steady", "overload")
+DEFAULT_TRACES = ("tidal", "steady")  # the overload trace runs on its own: only the overload rules act there
+OVERLOAD_RATE, OVERLOAD_MINUTES = 3.0, 1.0  # the tidal trace's mean rate times this, for this long
 STEADY_RATE = 2.0  # requests/s: bench_engine's middle rate, the busiest with Poisson gaps
 STEADY_SEED = 1001  # bench_engine's seed for its second rate (2/s)
 SMOKE_TIDAL = dict(minutes=0.02, drain=10.0)  # a shorter smoke trace than bench_load's: every variant runs it
@@ -240,10 +247,12 @@ def run_variant(variant: str, trace: str, reqs: list[Req], size: dict, slo: SLO,
     within = sum(bench_load.in_slo(o, slo) for o in outs)
     ttft = [o.first - o.arrival for o in done]
     peak = [o.first - o.arrival for r, o in zip(reqs, outs)
-            if completed(o) and trace == "tidal" and bench_load.at_peak(r, size["minutes"] * 60)]
+            if completed(o) and trace != "steady" and bench_load.at_peak(r, size["minutes"] * 60)]
+    high = [(r, o) for r, o in zip(reqs, outs) if r.priority > 0]
     stats = run.extra["stats"]
     return dict(
         variant=variant, trace=trace, within=within, submitted=len(outs), goodput=within / makespan,
+        within_high=sum(bench_load.in_slo(o, slo) for _, o in high), high=len(high),
         p99=float(np.percentile(ttft, 99)) if ttft else math.nan,
         p99_peak=float(np.percentile(peak, 99)) if peak else math.nan,
         throughput=sum(len(o.tokens) for o in done) / makespan,
@@ -274,10 +283,14 @@ def steady_trace(tokenizer, smoke: bool, rate: float) -> tuple[list[Req], dict]:
     return reqs, size
 
 
-def tidal_trace(model, tokenizer, smoke: bool) -> tuple[list[Req], dict]:
+def tidal_trace(model, tokenizer, smoke: bool, overload: bool = False) -> tuple[list[Req], dict]:
+    """bench_load's trace and pool; `overload`: its rate times `OVERLOAD_RATE`, for `OVERLOAD_MINUTES`
+    (the pool sized for the tidal trace's requests, as it is)."""
     size = dict(bench_load.SMOKE if smoke else bench_load.FULL)
     if smoke:
         size.update(SMOKE_TIDAL)
+    if overload:
+        size.update(rate=size["rate"] * OVERLOAD_RATE, minutes=size["minutes"] if smoke else OVERLOAD_MINUTES)
     reqs = bench_load.build_trace(tokenizer, size, 0)
     bench_load.size_pool(model, reqs, size)
     return reqs, size
@@ -383,6 +396,8 @@ def p99_alone(variant: str, runs: dict, traces) -> bool:
 
 
 def figures_of(trace: str) -> dict:
+    if trace == "overload":
+        return FIGURES | HIGH_FIGURE
     return FIGURES if trace == "tidal" else {k: f for k, f in FIGURES.items() if k != "p99 TTFT at the peak s"}
 
 
@@ -408,8 +423,8 @@ def measure(args, variants: list[str]) -> dict:
     stop = stop_ids(model, tokenizer)
     traces, slos, sizes = {}, {}, {}
     for trace in args.traces:
-        reqs, size = (tidal_trace(model, tokenizer, args.smoke) if trace == "tidal"
-                      else steady_trace(tokenizer, args.smoke, args.steady_rate))
+        reqs, size = (steady_trace(tokenizer, args.smoke, args.steady_rate) if trace == "steady"
+                      else tidal_trace(model, tokenizer, args.smoke, overload=trace == "overload"))
         note(f"{trace}: the tokens {model_name(args.smoke)} gives each request (per-request greedy, on the engine)")
         traces[trace], sizes[trace] = as_generated(model, reqs, stop, size), size
     first = traces[args.traces[0]]
@@ -484,20 +499,24 @@ def report(args, variants: list[str], data: dict) -> tuple[str, Checks]:
     excess = statistics.fmean(r["excess_ms"] for r in results) if results else math.nan
     line, sizes, counts = data["line"], data["sizes"], data["counts"]
     slos = {t: SLO(*s) for t, s in data["slos"].items()}
-    names = {"tidal": "Tidal trace", "steady": "Steady mixed workload"}
+    names = {"tidal": "Tidal trace", "steady": "Steady mixed workload", "overload": "Overload trace"}
     describe = {
         "tidal": lambda s, n: (f"bench_load's trace (seed 0, {n} requests over {s['minutes'] * 60:.0f} s, pool "
                                f"{s['num_blocks']} blocks of {s['block_size']}, host tier as many, "
                                f"`max_batch_tokens={s['batch_tokens']}`, `max_running={s['max_running']}`)"),
+        "overload": lambda s, n: (f"the tidal trace's requests (seed 0) at {OVERLOAD_RATE:g} times its rate: {n} "
+                                  f"over {s['minutes'] * 60:.0f} s, {s['rate']:.1f}/s on average, a quarter of "
+                                  f"them priority 1; the tidal trace's pool ({s['num_blocks']} blocks of "
+                                  f"{s['block_size']}, host tier as many) and limits"),
         "steady": lambda s, n: (f"bench_engine's {n} requests, Poisson arrivals at {args.steady_rate:g}/s over "
                                 f"{s['minutes'] * 60:.0f} s, pool {s['num_blocks']} blocks of {s['block_size']}, host "
                                 f"tier as many, `max_batch_tokens={s['batch_tokens']}`, "
                                 f"`max_running={s['max_running']}`"),
     }
-    parts = [f"### Ablation of the scheduling rules ({model_name(args.smoke)}'s forward times, stand-in model)", "",
+    which = "overload rules" if traces == ["overload"] else "scheduling rules"
+    parts = [f"### Ablation of the {which} ({model_name(args.smoke)}'s forward times, stand-in model)", "",
              "Each rule beyond the core switched off alone, against the engine with all of them (controller on, SLO "
-             "targets) and with the core alone (controller off, no targets; `Limits`' defaults kept: backfill, the "
-             "growth estimate, prefetch). A verdict counts a figure whose median moved by more than the run-to-run "
+             "targets) and with the core alone (controller off, no targets; `Limits`' other defaults kept). A verdict counts a figure whose median moved by more than the run-to-run "
              "spread (the larger max - min over repeats of the two rows): helps = switching the rule off made it "
              "worse.", ""]
     for t in traces:
@@ -534,7 +553,8 @@ def report(args, variants: list[str], data: dict) -> tuple[str, Checks]:
 def main() -> int:
     parser = arguments(__doc__.split("\n\n")[0])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    parser.add_argument("--traces", nargs="+", choices=TRACES, default=list(TRACES))
+    parser.add_argument("--traces", nargs="+", choices=TRACES, default=list(DEFAULT_TRACES),
+                        help="the overload trace alone writes a section of its own (ablation-overload)")
     parser.add_argument("--parallel", type=int,
                         help="runs side by side, each its own process (default 4; 1 in --smoke: in this process)")
     parser.add_argument("--steady-rate", type=float,
@@ -567,6 +587,8 @@ def main() -> int:
             Path(args.results).write_text(json.dumps(data))
     common.REVISION = data["measured"]  # the section's stamp: the library measured, not the bench scripts' tree
     body, checks = report(args, variants, data)
+    if args.traces == ["overload"]:
+        return checks.finish("ablation-overload", body, args.smoke, after="ablation")
     return checks.finish("ablation", body, args.smoke, after="emulated-load-targets")
 
 
