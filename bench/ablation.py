@@ -92,7 +92,7 @@ FIGURES = {
 HIGH_FIGURE = {"priority 1 within SLO": ("within_high", 1, 0)}  # what shedding protects: the overload trace's
 TRACES = ("tidal", "steady", "overload")
 DEFAULT_TRACES = ("tidal", "steady")  # the overload trace runs on its own: only the overload rules act there
-OVERLOAD_RATE, OVERLOAD_MINUTES = 3.0, 1.0  # the tidal trace's mean rate times this, for this long
+OVERLOAD_RATE, OVERLOAD_MINUTES = 5.0, 1.0  # the tidal trace's mean rate times this, for this long
 STEADY_RATE = 2.0  # requests/s: bench_engine's middle rate, the busiest with Poisson gaps
 STEADY_SEED = 1001  # bench_engine's seed for its second rate (2/s)
 SMOKE_TIDAL = dict(minutes=0.02, drain=10.0)  # a shorter smoke trace than bench_load's: every variant runs it
@@ -111,8 +111,8 @@ def knobs_without_pressure(original):
             return targets, low, high
         return derived
 
-    def knobs(engine):
-        made = original(engine)
+    def knobs(*args):  # the library's arguments, whichever they are (an engine, or its limits and pool)
+        made = original(*args)
         for knob in made:
             if "pressure" in knob.targets and "normal" in knob.targets:
                 knob.targets = dict(knob.targets, pressure=knob.targets["normal"])
