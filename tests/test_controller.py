@@ -459,12 +459,12 @@ def test_every_engine_actuator_moves_under_pressure_and_comes_back():
     assert controller.state == "pressure"
     moved = {name for name, value in controller.settings().items() if value != before[name]}
     assert {"watermark", "growth_reserve", "pin_budget", "half_life", "hot_threshold", "demote_ahead"} <= moved
-    assert pool.policy.half_life == 150.0 and pool.reuse.pins.budget == 0.125
+    assert pool.tuning()["half_life"] == 150.0 and pool.tuning()["pin_budget"] == 0.125
     now = calm_down(controller, signals, now)
     assert controller.state == "normal"
     assert {k: v for k, v in controller.settings().items() if k != "max_batch_tokens"} == {
         k: v for k, v in before.items() if k != "max_batch_tokens"}
-    assert pool.policy.half_life == 600.0 and pool.reuse.pins.budget == 0.25
+    assert pool.tuning()["half_life"] == 600.0 and pool.tuning()["pin_budget"] == 0.25
     hf_paged_kv.disable(model)
 
 
@@ -556,10 +556,10 @@ def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
     engine = Engine(model, pool=pool, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals = engine.load.controller, engine.load.signals
     now = into_pressure(controller, signals, time.monotonic())
-    assert controller.state == "pressure" and pool.policy.half_life == 150.0 and pool.reuse.pins.budget == 0.125
+    assert controller.state == "pressure" and pool.tuning()["half_life"] == 150.0 and pool.tuning()["pin_budget"] == 0.125
     engine.start()
     engine.stop()
-    assert pool.policy.half_life == 600.0 and pool.reuse.pins.budget == 0.25 and pool.reuse.pins.hot_threshold == 8.0
+    assert pool.tuning() == {"pin_budget": 0.25, "hot_threshold": 8.0, "half_life": 600.0}
     assert controller.state == "normal" and engine.stats()["controller"]["state"] == "normal"
     later = Engine(model, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0)).load.controller.settings()
     assert later["half_life"] == 600.0 and later["pin_budget"] == 0.25 and later["hot_threshold"] == 8.0
@@ -614,11 +614,11 @@ def test_two_engines_on_one_pool_do_not_tighten_each_others_pool_knobs():
     for _ in range(3):
         for engine in engines:
             now = into_pressure(engine.load.controller, engine.load.signals, now)
-    assert pool.reuse.pins.budget == 0.125 and pool.policy.half_life == 150.0
+    assert pool.tuning()["pin_budget"] == 0.125 and pool.tuning()["half_life"] == 150.0
     for engine in engines:
         engine.start()
         engine.stop()
-    assert pool.reuse.pins.budget == 0.25 and pool.policy.half_life == 600.0
+    assert pool.tuning()["pin_budget"] == 0.25 and pool.tuning()["half_life"] == 600.0
     hf_paged_kv.disable(model)
 
 
@@ -660,7 +660,8 @@ def test_a_preempted_request_waiting_is_not_a_level_to_shed_through():
     for request in [*waiting, resumed]:
         engine.scheduler.add(request)
     for _ in range(12):
-        engine.load.tick()
+        for request in engine.load.tick():  # what the engine's loop does with those it names
+            engine.outcomes.turn_away(request)
         time.sleep(0.05)
     assert engine.load.controller.state == "overload" and engine.load.controller.shed_below == 1
     assert [r.outcome for r in waiting] == ["rejected", "rejected", None, None]

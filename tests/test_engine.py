@@ -273,12 +273,12 @@ def test_bad_sampling_arguments_and_token_ids_are_refused_at_submit(model):
                             (dict(tenant="__public__"), "other than '__public__'"), (dict(tenant=None), "tenant")):
         with pytest.raises(ValueError, match=message):
             engine.submit([5, 6, 7], **kwargs)
-    assert engine.stats()["requests_rejected"] == 0 and engine.incoming.empty()
+    assert engine.stats()["requests_rejected"] == 0 and engine.stats()["requests_waiting"] == 0
     for prompt, message in ((torch.tensor([[5, 6], [7, 8]]), "one sequence of token ids, got a batch of 2"),
                             ([5.0, 6.0], "integer token ids"), (["5", "6"], "integer token ids")):
         with pytest.raises(ValueError, match=message):
             engine.submit(prompt)
-    assert engine.incoming.empty()
+    assert engine.stats()["requests_waiting"] == 0
     assert engine.submit(torch.tensor([[5, 6, 7]])).request.prompt == [5, 6, 7]  # as a tokenizer returns it
     assert engine.submit(np.array([5, 6, 7])).request.prompt == [5, 6, 7]
     handle = engine.submit([5, 6, 7])

@@ -194,7 +194,7 @@ def test_a_refusal_after_a_budget_shrink_still_warns(model):
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
     explicit = hf_paged_kv.pin(model, tokens(64, 40), priority=5)  # 8 blocks
     with pool.locked():
-        pool.reuse.pins.set_budget(0.1)  # 4 blocks, as the load controller does: the pin gives way
+        pool.tune(pin_budget=0.1)  # 4 blocks, as the load controller does: the pin gives way
     assert pool.stats()["pins_refused"] == 0 and pool.stats()["pins_given_way"] == 1
     assert pool.stats()["blocks_pinned"] == 0
     explicit = hf_paged_kv.pin(model, tokens(32, 41), priority=5)  # 4 blocks: the budget is full again
@@ -217,16 +217,16 @@ def test_pins_that_give_way_again_and_again_are_not_refusals_until_their_kv_is_g
     pinned = hf_paged_kv.pin(model, prefix, priority=5)  # 8 blocks
     for _ in range(3):
         with pool.locked():
-            pool.reuse.pins.set_budget(0.1)
+            pool.tune(pin_budget=0.1)
         assert pool.stats()["pins_given_way"] == 1 and pool.stats()["blocks_pinned"] == 0
         with pool.locked():
-            pool.reuse.pins.set_budget(0.25)
+            pool.tune(pin_budget=0.25)
         assert pool.stats()["blocks_pinned"] == 8 and pool.stats()["pins_refused"] == 0
     with pool.locked():
-        pool.reuse.pins.set_budget(0.1)
+        pool.tune(pin_budget=0.1)
     pool.make_free(pool.num_blocks)  # the given-way pin's blocks leave the device
     with pool.locked():
-        pool.reuse.pins.set_budget(0.25)
+        pool.tune(pin_budget=0.25)
     assert pool.stats()["pins_given_way"] == 0 and pool.stats()["pins_refused"] == 1
     assert pool.stats()["blocks_pinned"] == 0
     hf_paged_kv.unpin(model, pinned)
@@ -243,20 +243,20 @@ def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
     low = hf_paged_kv.pin(model, tokens(48, 51), priority=1)  # 6 blocks
     gone = hf_paged_kv.pin(model, tokens(32, 52), priority=0)  # 4 blocks
     with pool.locked():
-        pool.reuse.pins.set_budget(0.15)  # 6 blocks: only the highest priority stays
+        pool.tune(pin_budget=0.15)  # 6 blocks: only the highest priority stays
     stats = pool.stats()
     assert stats["blocks_pinned"] == 6 and stats["pins_given_way"] == 2 and stats["pins_refused"] == 0
     hf_paged_kv.unpin(model, gone)  # unpinned while it had given way: gone for good
     with pool.locked():
-        pool.reuse.pins.set_budget(0.5)
+        pool.tune(pin_budget=0.5)
     stats = pool.stats()
     assert sorted(p["id"] for p in stats["pins"]) == [high.id, low.id]
     assert stats["blocks_pinned"] == 12 and stats["pins_given_way"] == 0
     with pool.locked():
-        pool.reuse.pins.set_budget(0.15)  # the low pin gives way again ...
+        pool.tune(pin_budget=0.15)  # the low pin gives way again ...
     pool.decref(pool.allocate(pool.num_available()))  # ... and its blocks are evicted meanwhile
     with pool.locked():
-        pool.reuse.pins.set_budget(0.5)
+        pool.tune(pin_budget=0.5)
     stats = pool.stats()
     assert [p["id"] for p in stats["pins"]] == [high.id] and stats["pins_given_way"] == 0
     assert hf_paged_kv.cached_tokens(model, tokens(48, 51))["device"] == 0
@@ -264,12 +264,12 @@ def test_pins_that_gave_way_to_a_smaller_budget_come_back(model):
     low = hf_paged_kv.pin(model, tokens(48, 51), priority=1)  # 6 blocks again
     small = hf_paged_kv.pin(model, tokens(16, 54), priority=0)  # 2 blocks
     with pool.locked():
-        pool.reuse.pins.set_budget(0.15)  # 6 blocks: the small pin and the low one give way
+        pool.tune(pin_budget=0.15)  # 6 blocks: the small pin and the low one give way
     with pool.locked():
-        pool.reuse.pins.set_budget(0.2)  # 8 blocks: the small pin would fit, but not before the low one
+        pool.tune(pin_budget=0.2)  # 8 blocks: the small pin would fit, but not before the low one
     assert pool.stats()["pins_given_way"] == 2 and pool.stats()["blocks_pinned"] == 6
     with pool.locked():
-        pool.reuse.pins.set_budget(0.5)
+        pool.tune(pin_budget=0.5)
     assert pool.stats()["pins_given_way"] == 0 and pool.stats()["blocks_pinned"] == 14
     for pin in (high, low, small):
         hf_paged_kv.unpin(model, pin)
@@ -326,11 +326,11 @@ def test_a_pin_that_gave_way_does_not_come_back_after_its_tenant_is_cleared(mode
     prompt = tokens(2 * BLOCK, 67)
     hf_paged_kv.pin(model, prompt, tenant="t", priority=5)
     with pool.locked():
-        pool.reuse.pins.set_budget(0.0)  # the pin gives way, to come back when the budget grows
+        pool.tune(pin_budget=0.0)  # the pin gives way, to come back when the budget grows
     pool.clear_tenant("t")
     skip_of(model, torch.cat([prompt, tokens(1, 68)]), tenant="t")  # the tenant computes the prefix again
     with pool.locked():
-        pool.reuse.pins.set_budget(0.25)
+        pool.tune(pin_budget=0.25)
     assert pool.stats()["pins"] == []
 
 
@@ -371,11 +371,11 @@ def test_a_pin_whose_digests_name_blocks_of_another_chain_does_not_come_back(mod
     assert skip_of(model, torch.cat([system, tokens(3, 2)]))[0] == 8  # the second block, expiring at 150
     pin = hf_paged_kv.pin(model, system)
     with pool.locked():
-        pool.reuse.pins.set_budget(0.0)
+        pool.tune(pin_budget=0.0)
     clock[0] = 110.0
     plain_forward(model, system[:8])  # a fresh copy of the first block takes its name
     with pool.locked():
-        pool.reuse.pins.set_budget(0.5)
+        pool.tune(pin_budget=0.5)
     stats = pool.stats()
     assert stats["pins"] == [] and stats["pins_refused"] == 1 and stats["pins_given_way"] == 0
     pool.audit()
@@ -421,10 +421,10 @@ def test_a_pin_that_gave_way_comes_back_before_lower_priorities_pinned_meanwhile
     pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25))  # 10 blocks
     high = hf_paged_kv.pin(model, tokens(64, 1), priority=5)  # 8 blocks
     with pool.locked():
-        pool.reuse.pins.set_budget(0.1)  # 4 blocks: the high pin gives way
+        pool.tune(pin_budget=0.1)  # 4 blocks: the high pin gives way
     low = hf_paged_kv.pin(model, tokens(32, 2), priority=0)  # 4 blocks: fits the smaller budget
     with pool.locked():
-        pool.reuse.pins.set_budget(0.25)
+        pool.tune(pin_budget=0.25)
     assert [p["id"] for p in pool.stats()["pins"]] == [high.id]  # the low one is displaced, as by a new pin
     hf_paged_kv.unpin(model, high)
     hf_paged_kv.unpin(model, low)
@@ -445,3 +445,20 @@ def test_the_blocks_of_a_pin_that_ended_serve_the_next_allocation(model, which):
     expected = greedy(model, DynamicCache(), prompt[None], torch.ones(1, 90, dtype=torch.long), new_tokens=4)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert_pool_clean(pool)
+
+
+def test_tune_moves_the_settings_the_controller_moves_and_refuses_bad_values(model):
+    pool = hf_paged_kv.enable(model, pool=KVPool(num_blocks=40, block_size=BLOCK, pin_budget=0.25, half_life=60.0))
+    hf_paged_kv.pin(model, tokens(48, 10))  # 6 blocks
+    pool.tune(pin_budget=0.1)  # 4 blocks: the pin gives way
+    assert pool.stats()["blocks_pinned"] == 0 and pool.stats()["pins_given_way"] == 1
+    pool.tune(pin_budget=0.25, half_life=15.0, hot_threshold=3.0)
+    assert pool.stats()["blocks_pinned"] == 6
+    assert pool.tuning() == {"pin_budget": 0.25, "hot_threshold": 3.0, "half_life": 15.0}
+    assert pool.options["half_life"] == 60.0  # what it was built with, where the controller returns
+    for settings, message in ((dict(pin_budget=1.5), "pin_budget is a fraction"),
+                              (dict(half_life=0.0), "half_life must be > 0"),
+                              (dict(hot_threshold=-1.0), "hot_threshold")):
+        with pytest.raises(ValueError, match=message):
+            pool.tune(**settings)
+    assert pool.tuning() == {"pin_budget": 0.25, "hot_threshold": 3.0, "half_life": 15.0}

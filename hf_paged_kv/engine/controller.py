@@ -50,7 +50,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-from .config import SLO
+from .config import SLO, Limits
 from .signals import Signals
 
 log = logging.getLogger("hf_paged_kv.controller")
@@ -292,23 +292,24 @@ class Controller:
             "state": self.state, "shed_below_priority": self.shed_below}
 
 
-def engine_knobs(engine) -> list[Knob]:
-    """The actuators of an engine and its pool. Each starts at its configured value and returns to
-    it in the normal state; pressure and overload only tighten (a watermark configured above
-    pressure's keeps its own), and every bound includes the configured value. The engine's own
-    knobs (`engine.limits`) read their live value, so a change made from outside becomes the
-    configured value; the pool's (pin budget, hot threshold, half-life) are configured by the
+def engine_knobs(limits: Limits, pool) -> list[Knob]:
+    """The actuators of an engine (its `limits`) and its pool. Each starts at its configured value
+    and returns to it in the normal state; pressure and overload only tighten (a watermark
+    configured above pressure's keeps its own), and every bound includes the configured value. The
+    engine's own knobs read their live value, so a change made from outside becomes the configured
+    value; the pool's (pin budget, hot threshold, half-life: `KVPool.tune`) are configured by the
     KVPool's arguments, which every engine on the pool reads alike: a value another engine's
     controller set is never taken for a configured one (two engines would tighten each other's)."""
-    limits, pool = engine.limits, engine.pool
-    pins, policy, options = pool.reuse.pins, pool.policy, pool.options
+    options = pool.options
 
-    def knob(name, owner, attribute, derive, cast=float, configured=None, apply=None):
-        live = configured is None  # an engine's knob follows changes; a pool's keeps its arguments
-        configured = getattr(owner, attribute) if live else configured
-        targets, low, high = derive(configured)
-        return Knob(name, configured, targets, low, high, apply or (lambda v: setattr(owner, attribute, cast(v))),
-                    (lambda: getattr(owner, attribute)) if live else None, derive)
+    def knob(name, attribute, derive, cast=float):  # one of `limits`: follows changes made from outside
+        targets, low, high = derive(getattr(limits, attribute))
+        return Knob(name, getattr(limits, attribute), targets, low, high,
+                    lambda v: setattr(limits, attribute, cast(v)), lambda: getattr(limits, attribute), derive)
+
+    def pool_knob(name, derive):  # one of the pool's: configured by the KVPool's argument
+        targets, low, high = derive(options[name])
+        return Knob(name, options[name], targets, low, high, lambda v: pool.tune(**{name: float(v)}), None, derive)
 
     def tightening(pressure, overload, high):
         return lambda c: ({"normal": c, "pressure": max(c, pressure), "overload": max(c, overload)}, 0.0, max(high, c))
@@ -316,21 +317,15 @@ def engine_knobs(engine) -> list[Knob]:
     def scaled(pressure, overload, low, high):  # targets and bounds as multiples of the configured value
         return lambda c: ({"normal": c, "pressure": c * pressure, "overload": c * overload}, c * low, c * high)
 
-    def set_pin_budget(value):  # the pins' registry changes only under the pool's lock
-        with pool.locked():
-            pins.set_budget(value)
-
     knobs = [
-        knob("watermark", limits, "watermark", tightening(0.05, 0.10, 0.3)),
-        knob("growth_reserve", limits, "growth_ratio_min", tightening(0.3, 0.5, 1.0)),
-        knob("max_batch_tokens", limits, "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * BUDGET_CEILING), int),
-        knob("pin_budget", pins, "budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0),
-             configured=options["pin_budget"], apply=set_pin_budget),
-        knob("half_life", policy, "half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0), configured=options["half_life"]),
+        knob("watermark", "watermark", tightening(0.05, 0.10, 0.3)),
+        knob("growth_reserve", "growth_ratio_min", tightening(0.3, 0.5, 1.0)),
+        knob("max_batch_tokens", "max_batch_tokens", lambda c: ({}, min(c, max(16, c // 4)), c * BUDGET_CEILING), int),
+        pool_knob("pin_budget", lambda c: ({"normal": c, "pressure": c / 2, "overload": c / 4}, 0.0, 1.0)),
+        pool_knob("half_life", scaled(1 / 4, 1 / 4, 1 / 16, 1.0)),
     ]
     if options["hot_threshold"] is not None:
-        knobs.append(knob("hot_threshold", pins, "hot_threshold", scaled(2, 4, 1, 8),
-                          configured=options["hot_threshold"]))
+        knobs.append(pool_knob("hot_threshold", scaled(2, 4, 1, 8)))
     if pool.has_host_tier:
-        knobs.append(knob("demote_ahead", limits, "demote_ahead", tightening(0.10, 0.15, 0.5)))
+        knobs.append(knob("demote_ahead", "demote_ahead", tightening(0.10, 0.15, 0.5)))
     return knobs

@@ -92,10 +92,9 @@ class Engine:
                                                             max_waiting=config.max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)
         self.metrics = EngineMetrics()
-        self.load = LoadControl(self, config.slo is not None if controller is None else controller, config.slo,
-                                thresholds)
+        self.load = LoadControl(self.limits, self.scheduler, self.pool, self.metrics,
+                                config.slo is not None if controller is None else controller, config.slo, thresholds)
         self.outcomes = Outcomes(self.scheduler, self.metrics, self.load)
-        self.incoming: queue.Queue = queue.Queue()  # a Queue: retry_after reads what it holds
         self.cancelled: queue.SimpleQueue = queue.SimpleQueue()
         self.wakeup = threading.Event()
         self.gate = threading.Lock()  # a submit either queues before stop() stops accepting, or is refused
@@ -165,7 +164,7 @@ class Engine:
             if not self.accepting:
                 raise PagedKVError("the engine stopped while the request was being submitted")
             self.load.admit_or_refuse(priority)
-            self.incoming.put(request)
+            self.scheduler.submit(request)
         self.wakeup.set()
         return RequestHandle(request, self)
 
@@ -198,10 +197,11 @@ class Engine:
     def _serve(self) -> None:
         idle = True
         # stop is checked first: a fault that repeats in intake or tick must not keep stop() waiting
-        while self.accepting or (self.draining and self._busy()):
+        while self.accepting or (self.draining and self.scheduler.busy()):
             try:
                 self._intake()
-                self.load.tick_guarded()
+                for request in self.load.tick_guarded():
+                    self.outcomes.turn_away(request)
                 if self.step():
                     idle = False
                     continue
@@ -215,15 +215,9 @@ class Engine:
             self.wakeup.wait(IDLE_WAIT)
             self.wakeup.clear()
 
-    def _busy(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running) or not self.incoming.empty()
-
     def _intake(self) -> None:
         with self.gate:  # a request moving between the queues is in neither: submit's backlog would miss it
-            while not self.incoming.empty():
-                request = self.incoming.get()
-                if request.outcome is None:  # cancelled between submit and intake: it has ended already
-                    self.scheduler.add(request)
+            self.scheduler.intake()
         while not self.cancelled.empty():
             request = self.cancelled.get()
             if request.outcome is None:
@@ -284,7 +278,7 @@ class Engine:
         """Request and token counters, the high-water mark of running sequences, and the pool's stats."""
         return self.pool.stats() | dict(self.metrics.counters) | self.load.stats() | {
             "requests_running": len(self.scheduler.running),
-            "requests_waiting": len(self.scheduler.waiting) + self.incoming.qsize(),
+            "requests_waiting": self.scheduler.backlog(),
             "growth_ratio": self.scheduler.growth.ratio,
         }
 

@@ -1,6 +1,7 @@
 """The engine's side of load control: it feeds the signals, runs the controller (when enabled),
-applies what only the engine can do (demoting ahead of need, turning away waiting requests of a
-shed priority) and keeps the service-level accounting: goodput and availability.
+applies what only the engine can do (demoting ahead of need; naming the waiting requests of a
+shed priority, which the engine turns away) and keeps the service-level accounting: goodput and
+availability. It reads the engine's limits, scheduler, pool and metrics, never the engine.
 
 A request is *within target* when its time to first token and its mean time between tokens
 meet the SLO; goodput is such requests per second, availability their share of the submitted
@@ -15,38 +16,43 @@ import time
 import numpy as np
 
 from ..errors import Overloaded
+from ..pool import KVPool
+from .config import Limits
 from .controller import SLO, STATES, Controller, Thresholds, engine_knobs
+from .metrics import EngineMetrics
 from .request import Request
+from .scheduler import Scheduler
 from .signals import Signals
 
 log = logging.getLogger("hf_paged_kv.engine")
 
 
 class LoadControl:
-    def __init__(self, engine, enabled: bool, slo: SLO | None, thresholds: Thresholds | None = None):
-        self.engine, self.slo = engine, slo
+    def __init__(self, limits: Limits, scheduler: Scheduler, pool: KVPool, metrics: EngineMetrics, enabled: bool,
+                 slo: SLO | None, thresholds: Thresholds | None = None):
+        self.limits, self.scheduler, self.pool, self.metrics, self.slo = limits, scheduler, pool, metrics, slo
         thresholds = thresholds or Thresholds()
         self.signals = Signals(thresholds.short_window, thresholds.long_window)
         self.every, self.demoted = thresholds.tick, float("-inf")  # demotion ahead of need runs once per tick
-        self.controller = Controller(engine_knobs(engine), slo, thresholds, self._counted) if enabled else None
+        self.controller = Controller(engine_knobs(limits, pool), slo, thresholds, self._counted) if enabled else None
         self.started: float | None = None  # the engine's first start(): goodput counts from it
         self.counts = dict.fromkeys(("requests_submitted", "requests_within_slo"), 0)
         self.lookups_seen = dict.fromkeys(("lookup_tokens", "device", "host", "disk"), 0)
         self.hit_rates = dict.fromkeys(("device", "host", "disk"), 0.0)
         self.sets_burst = False  # whether `Limits.burst_batch_tokens` is the controller's to set
         if self.controller is not None:
-            if engine.limits.ttft_target is None:  # partial chunks wait for it (see scheduler), bursts (pacing)
-                engine.limits.ttft_target = slo.ttft
-            if engine.limits.per_token_target is None:  # forwards are paced (pacing)
-                engine.limits.per_token_target = slo.per_token
+            if limits.ttft_target is None:  # partial chunks wait for it (see scheduler), bursts (pacing)
+                limits.ttft_target = slo.ttft
+            if limits.per_token_target is None:  # forwards are paced (pacing)
+                limits.per_token_target = slo.per_token
             # a forward may grow to give first tokens in time (pacing), up to the budget knob's bound:
             # twice its configured value, followed when a user changes that value
-            self.sets_burst = engine.limits.burst_batch_tokens is None
+            self.sets_burst = limits.burst_batch_tokens is None
             self._follow_budget()
             for name, value in self.controller.settings().items():
-                engine.metrics.controller_actions.labels(name)  # a series from the start, at 0: rate() works
+                metrics.controller_actions.labels(name)  # a series from the start, at 0: rate() works
                 if name != "state":
-                    engine.metrics.knobs.labels(name).set(value)
+                    metrics.knobs.labels(name).set(value)
             self._show_state()
 
     def start(self) -> None:
@@ -68,16 +74,14 @@ class LoadControl:
         so concurrent clients neither lose a count nor pass `max_waiting` together."""
         self.counts["requests_submitted"] += 1
         self.signals.record("arrival")
-        engine = self.engine
-        backlog = len(engine.scheduler.waiting) + engine.incoming.qsize()
-        if backlog >= engine.limits.max_waiting:
-            ahead, why = backlog - engine.limits.max_waiting + 1, (
-                f"{backlog} requests are waiting (max_waiting={engine.limits.max_waiting})")
+        backlog, most = self.scheduler.backlog(), self.limits.max_waiting
+        if backlog >= most:
+            ahead, why = backlog - most + 1, f"{backlog} requests are waiting (max_waiting={most})"
         elif self.refuses(priority):
             ahead, why = self.staying_ahead(priority), f"overloaded: priority {priority} is shed for now"
         else:
             return
-        engine.metrics.rejected()
+        self.metrics.rejected()
         self.signals.record("rejection")
         raise Overloaded(self.retry_after(ahead), why)
 
@@ -96,10 +100,9 @@ class LoadControl:
         rate = self.admission_rate()
         if rate > 0:
             return max(0.1, ahead / rate)
-        waiting = [*self.engine.scheduler.waiting, *self.engine.incoming.queue.copy()]  # the loop may not have taken them in
-        first = [r for r in waiting if r is not besides][:ahead]
+        first = [r for r in self.scheduler.queued() if r is not besides][:ahead]  # submitted ones too
         work = sum(r.remaining + r.params.max_new_tokens for r in first)
-        throughput = self.engine.scheduler.costs.throughput()
+        throughput = self.scheduler.costs.throughput()
         return max(0.1, work / throughput) if throughput > 0 else 5.0
 
     def refuses(self, priority: int) -> bool:
@@ -116,7 +119,7 @@ class LoadControl:
         """Waiting requests of `priority` or above already past the time-to-first-token target
         (other than `besides`): while any wait, a shed `priority` is refused."""
         now = time.monotonic()
-        return sum(1 for r in list(self.engine.scheduler.waiting)
+        return sum(1 for r in list(self.scheduler.waiting)
                    if r is not besides and self._late(r, now) and r.effective_priority >= priority)
 
     def staying_ahead(self, priority: int, besides: Request | None = None) -> int:
@@ -147,24 +150,26 @@ class LoadControl:
             self.counts["requests_within_slo"] += 1
 
     # ------------------------------------------------------------- tick
-    def tick_guarded(self) -> None:
+    def tick_guarded(self) -> list[Request]:
         """`tick` for the engine's loop: a fault in it is counted, logged once and fails no
-        request: the engine goes on with the knobs as they are."""
+        request: the engine goes on with the knobs as they are (and turns nobody away)."""
         try:
-            self.tick()
+            return self.tick()
         except Exception:  # noqa: BLE001 - the controller adapts the service; it must not end it
-            if self.engine.metrics.controller_fault():  # counted in stats()["controller_faults"]
+            if self.metrics.controller_fault():  # counted in stats()["controller_faults"]
                 log.exception("the load controller's tick failed; the engine goes on with its knobs as they are")
+            return []
 
-    def tick(self) -> None:
-        """Sample the levels and let the controller decide; then demote ahead of need and turn
-        away waiting requests of a shed priority."""
+    def tick(self) -> list[Request]:
+        """Sample the levels and let the controller decide; demote ahead of need. Returns the
+        waiting requests of a shed priority already past their target, for the engine to turn
+        away (`Outcomes.turn_away`)."""
         now = time.monotonic()
-        engine, stats = self.engine, self.engine.pool.stats()
+        waiting, stats = self.scheduler.waiting, self.pool.stats()
         total = max(stats["num_blocks"], 1)
-        ages = np.array([now - request.arrived for request in engine.scheduler.waiting if not request.generated])
+        ages = np.array([now - request.arrived for request in waiting if not request.generated])
         self.signals.sample_levels({
-            "queue_depth": len(engine.scheduler.waiting),
+            "queue_depth": len(waiting),
             "oldest_wait": float(ages.max()) if len(ages) else 0.0,
             "queue_age_p95": float(np.percentile(ages, 95)) if len(ages) else 0.0,
             "kv_usage": stats["blocks_used"] / total,
@@ -172,23 +177,22 @@ class LoadControl:
             "pinned_share": stats["blocks_pinned"] / total,
         } | {f"hit_rate_{tier}": rate for tier, rate in self._hit_rates(stats).items()}, now)
         # with or without the controller; without a host tier it would only drop cached prefixes
-        if engine.limits.demote_ahead and engine.pool.has_host_tier and now - self.demoted >= self.every:
-            engine.pool.make_free(int(engine.limits.demote_ahead * stats["num_blocks"]))
+        if self.limits.demote_ahead and self.pool.has_host_tier and now - self.demoted >= self.every:
+            self.pool.make_free(int(self.limits.demote_ahead * stats["num_blocks"]))
             self.demoted = now
         # the levels shedding steps through: those of requests it could turn away (a preempted
         # request has its first token, and its effective priority counts its preemptions)
-        priorities = [request.effective_priority for request in engine.scheduler.waiting if not request.generated]
+        priorities = [request.effective_priority for request in waiting if not request.generated]
         if self.controller is None or not self.controller.tick(self.signals, now, priorities):
-            return
+            return []
         self._follow_budget()
-        for request in list(engine.scheduler.waiting):
-            if request.effective_priority < self.controller.shed_below and self._late(request, now):
-                engine.outcomes.turn_away(request)
+        return [request for request in waiting
+                if request.effective_priority < self.controller.shed_below and self._late(request, now)]
 
     def _follow_budget(self) -> None:
         """The burst ceiling the controller set, at the budget knob's bound as it is now."""
         if self.sets_burst:
-            self.engine.limits.burst_batch_tokens = int(self.controller.knobs["max_batch_tokens"].high)
+            self.limits.burst_batch_tokens = int(self.controller.knobs["max_batch_tokens"].high)
 
     def _hit_rates(self, stats: dict) -> dict[str, float]:
         """Per tier, the share of the prompt tokens looked up since the last tick that it served
@@ -205,10 +209,10 @@ class LoadControl:
 
     def _show_state(self) -> None:
         for state in STATES:
-            self.engine.metrics.controller_state.labels(state).set(1 if self.controller.state == state else 0)
+            self.metrics.controller_state.labels(state).set(1 if self.controller.state == state else 0)
 
     def _counted(self, knob: str, value: float) -> None:
-        metrics = self.engine.metrics
+        metrics = self.metrics
         metrics.controller_actions.labels(knob).inc()
         if knob == "state":
             self._show_state()
@@ -220,9 +224,9 @@ class LoadControl:
         elapsed = max(time.monotonic() - self.started, 1e-9) if self.started is not None else float("inf")
         within, submitted = self.counts["requests_within_slo"], self.counts["requests_submitted"]
         settings = ({"state": "off"} if self.controller is None else
-                    self.controller.settings() | {"ttft_target": self.engine.limits.ttft_target,
-                                                 "per_token_target": self.engine.limits.per_token_target,
-                                                 "burst_batch_tokens": self.engine.limits.burst_batch_tokens})
+                    self.controller.settings() | {"ttft_target": self.limits.ttft_target,
+                                                 "per_token_target": self.limits.per_token_target,
+                                                 "burst_batch_tokens": self.limits.burst_batch_tokens})
         if self.slo is None:  # no targets: nothing to be within
             return self.counts | {"goodput": None, "availability": None, "controller": settings}
         return self.counts | {

@@ -4,7 +4,8 @@ preempted, which were admitted – under one token budget, a cap on running sequ
 pool's free blocks. Decodes, prefill chunks and new prompts share the budget; there are no
 separate prefill and decode phases.
 
-    scheduler.add(request)                      # the engine's intake
+    scheduler.submit(request)                   # from any thread
+    scheduler.intake()                          # the engine's loop: submitted requests queue
     plan = scheduler.schedule(model)            # `model`: the weights' fingerprint
     ...                                         # one forward of plan.batch, then sampling
     scheduler.committed(plan.batch)             # their newly full blocks become reusable
@@ -40,6 +41,7 @@ so none is preempted forever, and resumes with exactly the KV it had.
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -79,6 +81,7 @@ class Schedule:
 class Scheduler:
     def __init__(self, pool: KVPool, limits: Limits):
         self.pool, self.limits = pool, limits
+        self.incoming: queue.Queue = queue.Queue()  # submitted from any thread, not yet in `waiting`
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.growth = GrowthShare(limits)
@@ -89,6 +92,28 @@ class Scheduler:
         self.lengths: deque = deque(maxlen=10_000)  # finished sequences' lengths, for block size advice
 
     # ------------------------------------------------------------ queues
+    def submit(self, request: Request) -> None:
+        """Queue a request from any thread; the loop's `intake` moves it into `waiting`."""
+        self.incoming.put(request)
+
+    def intake(self) -> None:
+        """Move the submitted requests into `waiting` (one cancelled since has ended: dropped)."""
+        while not self.incoming.empty():
+            request = self.incoming.get()
+            if request.outcome is None:
+                self.add(request)
+
+    def queued(self) -> list[Request]:
+        """Every request not yet running: those waiting, then those submitted since the last intake."""
+        return [*self.waiting, *self.incoming.queue.copy()]
+
+    def backlog(self) -> int:
+        """How many requests are not yet running."""
+        return len(self.waiting) + self.incoming.qsize()
+
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running) or not self.incoming.empty()
+
     def add(self, request: Request) -> None:
         """Queue by priority (preempted requests carry theirs raised), then arrival."""
         key = (-request.effective_priority, request.arrived)

@@ -334,6 +334,36 @@ class KVPool:
         with self.locked():
             self.reuse.pins.forget(lambda pin, blocks: pin.reason == "hot")
 
+    def tuning(self) -> dict[str, float | None]:
+        """The settings the load controller moves under pressure, as they are now: `pin_budget`,
+        `hot_threshold`, `half_life` (`options` keeps the values the pool was built with)."""
+        with self.locked():
+            pins = self.reuse.pins
+            return {"pin_budget": pins.budget, "hot_threshold": pins.hot_threshold,
+                    "half_life": self.policy.half_life}
+
+    def tune(self, pin_budget: float | None = None, hot_threshold: float | None = None,
+             half_life: float | None = None) -> None:
+        """Change the settings given, under the pool's lock: a lower pin budget makes the pins
+        beyond it give way (they come back when it grows again, see `reuse.pins`); a shorter
+        half-life makes cold prefixes leave sooner.
+
+            pool.tune(pin_budget=0.1, half_life=60.0)
+        """
+        with self.locked():
+            pins = self.reuse.pins
+            # every value checked before any changes: a refused call changes nothing
+            check_settings(pins.budget if pin_budget is None else pin_budget,
+                           pins.hot_threshold if hot_threshold is None else hot_threshold)
+            if half_life is not None and not half_life > 0:
+                raise ValueError(f"half_life must be > 0 seconds, got {half_life}")
+            if hot_threshold is not None:
+                pins.hot_threshold = hot_threshold
+            if pin_budget is not None:
+                pins.set_budget(pin_budget)
+            if half_life is not None:
+                self.policy.half_life = half_life
+
     def referenced(self, blocks) -> int:
         """How many of `blocks` something references (inheriting those spares a block each)."""
         return self.allocator.referenced(blocks)
