@@ -26,6 +26,7 @@ import functools
 import importlib.util
 import inspect
 import os
+import shlex
 import platform
 import re
 import statistics
@@ -337,7 +338,7 @@ def record(section: str, body: str, write: bool = True, replaces: str | None = N
 
     A section not in the file yet replaces the text matching the regex `replaces` (a hand-written
     predecessor), else goes right after the section `after`, else at the end."""
-    command = "python " + " ".join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
+    command = "python " + shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]])
     quick = (f" ({QUICK_NOTE}: sizes cut for a 2-core CPU, not comparable with a full run)"
              if "--quick" in sys.argv[1:] else "")
     stamp = datetime.date.today().isoformat()
