@@ -49,7 +49,6 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from pathlib import Path
 
 import common
 import numpy as np

@@ -555,7 +555,7 @@ def test_an_engine_stopped_under_pressure_leaves_the_pool_as_configured():
     pool = KVPool(num_blocks=64, block_size=8, pin_budget=0.25, hot_threshold=8.0, half_life=600.0)
     engine = Engine(model, pool=pool, slo=SLO(), thresholds=Thresholds(dwell=0.0, tick=0.0))
     controller, signals = engine.load.controller, engine.load.signals
-    now = into_pressure(controller, signals, time.monotonic())
+    into_pressure(controller, signals, time.monotonic())
     assert controller.state == "pressure" and pool.tuning()["half_life"] == 150.0 and pool.tuning()["pin_budget"] == 0.125
     engine.start()
     engine.stop()

@@ -8,7 +8,6 @@ import asyncio
 import importlib.util
 import logging
 import threading
-import time
 
 import numpy as np
 import pytest

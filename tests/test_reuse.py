@@ -290,7 +290,7 @@ def test_concurrent_generate_calls_on_one_pool(model):
 
 
 def test_pipeline_reuses_prefixes_across_calls():
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {f"w{i}": i for i in range(VOCAB)}

@@ -218,7 +218,7 @@ class TorchBackend:
     def _padded(self, query, keys, values, plan, scale, window, softcap=None, explicit=False):
         """Every row's keys gathered into one padded batch, one SDPA (or explicit) call with a
         mask built from the plan; the general path."""
-        device, (batch, heads, width, _) = query.device, query.shape
+        device, (batch, _, width, _) = query.device, query.shape
         length = max(plan.max_kv_len, 1)
         memo = ("torch-padded", device, window, width)
         if memo not in plan.memo:

@@ -30,9 +30,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import history, packed, planner
 from ..errors import PagedKVError, PoolExhaustedError
 from ..pool import KVPool
+from . import history, packed, planner
 from .sequence import Sequence
 from .step import StepPlan
 

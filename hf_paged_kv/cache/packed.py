@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..pool import KVPool
 from . import step
 from .planner import plan_packed
-from ..pool import KVPool
 from .sequence import Sequence
 
 

@@ -32,10 +32,10 @@ import torch
 from transformers.cache_utils import Cache
 
 from .. import arguments
-from . import forward_plan, step
 from ..errors import CacheReleasedError, NotEnabledError, PagedKVError
 from ..pool import KVPool
 from ..reuse.pins import TurnPins
+from . import forward_plan, step
 from .sequence import Sequence
 
 

@@ -29,10 +29,9 @@ import numpy as np
 import torch
 
 from .. import arguments
-from ..pool import Advice, advise_block_size
 from ..errors import PagedKVError, UnsupportedModelError
 from ..integration.hooks import current_fingerprint, disable, enable, is_enabled, pool_of, state_of
-from ..pool import KVPool
+from ..pool import Advice, KVPool, advise_block_size
 from . import openmp, runner
 from .config import EngineConfig, Limits
 from .controller import Thresholds

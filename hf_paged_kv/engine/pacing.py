@@ -42,9 +42,9 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from .config import Limits
 from .costs import StepCosts
 from .request import Request
-from .config import Limits
 
 MARGIN = 0.85  # of a decode's allowance a step is planned to take: room for the fitted line's error
 MIN_PREFILL = 16  # prompt tokens a paced step still holds (a block's worth)

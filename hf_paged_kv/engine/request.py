@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import arguments
-from ..errors import PagedKVError
 from ..cache.sequence import Sequence
+from ..errors import PagedKVError
 
 _ids = itertools.count(1)
 

@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 
 from ..cache import packed, step
+from ..cache.sequence import Sequence
 from ..errors import PoolExhaustedError, UnsupportedModelError
 from ..pool import KVPool
-from ..cache.sequence import Sequence
 from .request import Request
 
 

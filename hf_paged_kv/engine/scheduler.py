@@ -46,9 +46,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..cache.sequence import Sequence
 from ..errors import PoolExhaustedError
 from ..pool import KVPool
-from ..cache.sequence import Sequence
 from . import pacing
 from .config import Limits
 from .costs import StepCosts
@@ -134,9 +134,9 @@ class Scheduler:
             self.lengths.append(len(request.prompt) + len(request.generated))
 
     def _remove(self, request: Request) -> None:
-        for queue in (self.waiting, self.running):
-            if request in queue:
-                queue.remove(request)
+        for line in (self.waiting, self.running):
+            if request in line:
+                line.remove(request)
         self.inflight = {d: r for d, r in self.inflight.items() if r is not request}
 
     # -------------------------------------------------------------- step

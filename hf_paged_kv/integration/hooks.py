@@ -40,9 +40,9 @@ from .. import backends
 from ..cache import forward_plan, history, step
 from ..cache.paged_cache import PagedCache
 from ..errors import NotEnabledError, PagedKVError, UnsupportedModelError
+from ..pool import KVPool
 from .fingerprint import InPlaceEdits, model_fingerprint
 from .model_checks import REFUSED_KWARGS, check_config, probe, rope_length_limit
-from ..pool import KVPool
 
 ATTENTION_NAME = "hf_paged_kv"  # no "flash"/"sdpa"/"paged|": those trigger special dispatch in transformers
 _STATE_ATTR = "hf_paged_kv_state"

@@ -14,8 +14,8 @@ from __future__ import annotations
 import transformers
 from transformers.pipelines.text_generation import TextGenerationPipeline
 
-from .hooks import enable
 from ..cache.paged_cache import PagedCache
+from .hooks import enable
 
 
 class PagedTextGenerationPipeline(TextGenerationPipeline):

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import promotion, sizing
-from .allocator import BlockAllocator
+from ..cache.sequence import Sequence
 from ..errors import PagedKVError, PoolExhaustedError
-from .policy import BlockMeta, Policy
 from ..reuse.manager import ReuseManager
 from ..reuse.pins import Pin, TurnPins, check_settings
-from ..cache.sequence import Sequence
 from ..tiers.chain import TierChain
+from . import promotion, sizing
+from .allocator import BlockAllocator
+from .policy import BlockMeta, Policy
 
 
 @dataclass(frozen=True)

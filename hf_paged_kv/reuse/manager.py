@@ -15,9 +15,9 @@ from typing import Callable
 
 import numpy as np
 
+from ..cache.sequence import Sequence
 from ..pool.allocator import BlockAllocator
 from ..pool.policy import BlockMeta, Policy
-from ..cache.sequence import Sequence
 from .pins import PinRegistry
 from .prefix_index import PrefixIndex
 from .semantic import SemanticIndex

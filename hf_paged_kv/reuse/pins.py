@@ -37,9 +37,9 @@ import itertools
 import warnings
 from dataclasses import dataclass, field
 
-from ..pool.allocator import BlockAllocator
 from ..arguments import integer
 from ..errors import PagedKVError
+from ..pool.allocator import BlockAllocator
 from .prefix_index import PrefixIndex
 
 HOT_PRIORITY = -1

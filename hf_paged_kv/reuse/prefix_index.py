@@ -20,8 +20,8 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
-from ..pool.allocator import BlockAllocator
 from ..arguments import PUBLIC_TENANT
+from ..pool.allocator import BlockAllocator
 from ..pool.policy import BlockMeta, Policy
 
 MAX_GHOSTS = 4096

@@ -53,8 +53,8 @@ from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_valida
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..arguments import is_unicode
-from ..errors import Overloaded, PagedKVError
 from ..engine.request import RequestFailed
+from ..errors import Overloaded, PagedKVError
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_STOP_STRINGS = 4
