@@ -143,9 +143,15 @@ class Engine:
     # ------------------------------------------------------------- requests
     def submit(self, prompt, max_new_tokens: int = 64, do_sample: bool = False, temperature: float = 1.0,
                top_p: float = 1.0, top_k: int = 0, eos_token_id=None, tenant: str = "default", priority: int = 0,
-               seed: int | None = None) -> RequestHandle:
+               seed: int | None = None, *, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
+               min_tokens: int = 0) -> RequestHandle:
         """Queue a request (text or token ids) and return its handle at once. Thread-safe.
-        Raises `Overloaded` (with `retry_after`) when the engine sheds load."""
+        Raises `Overloaded` (with `retry_after`) when the engine sheds load. The sampling
+        arguments are `SamplingParams`' (`logit_bias`: a mapping of token id to bias).
+
+            engine.submit("Hello", max_new_tokens=32, repetition_penalty=1.2, logit_bias={13: -100})
+        """
         if not self.accepting:
             raise PagedKVError("the engine is not running: call start() or use it as a context manager")
         if self.model.training:  # dropout would make its KV, shared with later requests, random
@@ -153,7 +159,11 @@ class Engine:
         vocabulary = self.model.get_input_embeddings().num_embeddings
         ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
-        params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed)
+        params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed, min_p,
+                                repetition_penalty, presence_penalty, frequency_penalty, logit_bias or (), min_tokens)
+        outside = [token for token, _ in params.logit_bias if not 0 <= token < vocabulary]
+        if outside:
+            raise ValueError(f"logit_bias names tokens outside the model's vocabulary of {vocabulary}: {outside[:5]}")
         limit = self.max_model_len
         if limit is not None and len(ids) + params.max_new_tokens > limit:  # the last token is never fed
             raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} pass max_model_len="

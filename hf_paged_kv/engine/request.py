@@ -31,6 +31,19 @@ _ids = itertools.count(1)
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a request's tokens are chosen. Greedy rows take the argmax of the scores after the
+    penalties, the bias and `min_tokens`; sampling rows also go through temperature, top-k, top-p
+    and min-p (the order of transformers' `generate`).
+
+    - `repetition_penalty`: transformers' (and vLLM's): the scores of every token in the prompt
+      or the output so far are divided by it where positive, multiplied where negative; 1 is off.
+    - `presence_penalty`, `frequency_penalty`: OpenAI's: each token's score less `presence` if
+      it occurs in the output so far and `frequency` times its count there; 0 is off.
+    - `logit_bias`: `(token, bias)` pairs added to those tokens' scores (OpenAI's, -100..100 there).
+    - `min_tokens`: the end tokens (`eos_token_id`) cannot be chosen before this many are generated.
+    - `min_p`: sampling keeps the tokens whose probability is at least `min_p` times the top one's.
+    """
+
     max_new_tokens: int = 64
     do_sample: bool = False
     temperature: float = 1.0
@@ -38,9 +51,15 @@ class SamplingParams:
     top_k: int = 0
     eos_token_id: tuple[int, ...] = ()
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
-        for name in ("max_new_tokens", "top_k"):
+        for name in ("max_new_tokens", "top_k", "min_tokens"):
             object.__setattr__(self, name, arguments.integer(name, getattr(self, name)))  # numpy integers too, as int
         if self.seed is not None:
             object.__setattr__(self, "seed", arguments.integer("seed", self.seed))
@@ -54,6 +73,20 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (0: off), got {getattr(self, name)}")
+        bias = dict(self.logit_bias)  # pairs, or a mapping: one bias per token
+        object.__setattr__(self, "logit_bias", tuple((arguments.integer("a logit_bias token", token), float(value))
+                                                     for token, value in bias.items()))
+        if not all(math.isfinite(value) for _, value in self.logit_bias):
+            raise ValueError("logit_bias values must be finite numbers")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
 
 
 class TokenStream:

@@ -1,9 +1,11 @@
 """Choosing each sequence's next token with its own sampling parameters.
 
-Greedy rows take the argmax, all at once. Sampling rows go through transformers' own logits
-warpers (temperature, top-k, top-p, in the order `generate` applies them) and draw from the
-request's own generator, so a seeded request gives the same tokens whatever else is batched
-with it.
+Every row's scores first go through its processors (the penalties, the logit bias, `min_tokens`:
+what changes which token is best, greedy or not); greedy rows then take the argmax, sampling rows
+go through transformers' own logits warpers (temperature, top-k, top-p, min-p, in the order
+`generate` applies them) and draw from the request's own generator, so a seeded request gives the
+same tokens whatever else is batched with it. Rows without processors (the default) are never
+copied: the argmax of the whole batch is taken at once.
 """
 
 from __future__ import annotations
@@ -11,12 +13,40 @@ from __future__ import annotations
 import torch
 from transformers.generation.logits_process import (
     LogitsProcessorList,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
 
-from .request import Request
+from .request import Request, SamplingParams
+
+
+def processes(params: SamplingParams) -> bool:
+    """Whether a row's scores change before the argmax (a greedy row without any is left alone)."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or bool(params.logit_bias) or params.min_tokens > 0)
+
+
+def processed(request: Request, scores: torch.Tensor) -> torch.Tensor:
+    """`scores` `[1, vocab]` (float) after the request's penalties, bias and `min_tokens`."""
+    params = request.params
+    if params.repetition_penalty != 1.0:  # over the prompt and the output, as transformers counts it
+        seen = torch.tensor([request.prompt + request.generated], device=scores.device)
+        scores = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(seen, scores)
+    if (params.presence_penalty or params.frequency_penalty) and request.generated:  # the output only (OpenAI)
+        counts = torch.bincount(torch.tensor(request.generated, device=scores.device), minlength=scores.shape[-1])
+        counts = counts[: scores.shape[-1]].to(scores.dtype)
+        scores = scores - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(scores.dtype)
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        scores = scores.index_add(-1, torch.tensor(tokens, device=scores.device),
+                                  torch.tensor([biases], dtype=scores.dtype, device=scores.device))
+    if len(request.generated) < params.min_tokens and params.eos_token_id:
+        scores = SuppressTokensLogitsProcessor(list(params.eos_token_id), scores.device)(None, scores)
+    return scores
 
 
 def warpers(request: Request) -> LogitsProcessorList:
@@ -27,6 +57,8 @@ def warpers(request: Request) -> LogitsProcessorList:
         chain.append(TopKLogitsWarper(params.top_k))
     if params.top_p < 1.0:
         chain.append(TopPLogitsWarper(params.top_p))
+    if params.min_p > 0.0:
+        chain.append(MinPLogitsWarper(params.min_p))
     return chain
 
 
@@ -39,13 +71,20 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
         if broken[row]:  # greedy or not: the argmax of NaNs is no answer
             chosen[row] = ValueError("the model's scores for this row are NaN or +inf")
             continue
-        if not request.params.do_sample:
+        params = request.params
+        if not (params.do_sample or processes(params)):
             continue
         try:
-            scores = warpers(request)(None, logits[row : row + 1].float())
-            probabilities = torch.softmax(scores, dim=-1)
+            scores = logits[row : row + 1].float()
+            if processes(params):
+                scores = processed(request, scores)
+            if not params.do_sample:
+                chosen[row] = int(scores.argmax(dim=-1))
+                continue
+            probabilities = torch.softmax(warpers(request)(None, scores), dim=-1)
             if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:
-                continue  # sampling's limit as the temperature goes to 0, the argmax
+                chosen[row] = int(scores.argmax(dim=-1))  # sampling's limit as the temperature goes to 0
+                continue
             chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator_on(probabilities.device)))
         except Exception as error:  # noqa: BLE001 - reported to that request alone
             chosen[row] = error
