@@ -250,20 +250,23 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
     url = served[1] + "/v1/completions"
     base = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
     for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
-                         ({"frequency_penalty": 0.5}, "frequency_penalty"),
-                         ({"whatever": 1}, "whatever"), ({"temperature": 3}, "temperature"),
+                         ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
+                         ({"logit_bias": {"w05": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+                         ({"logit_bias": {"999": 1}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+                         ({"cache_salt": ""}, "cache_salt"), ({"echo": True}, "echo"),
+                         ({"temperature": 3}, "temperature"),
                          ({"max_tokens": 5000}, "max_tokens"), ({"prompt": [1, 999]}, "prompt"),
                          ({"prompt": ["w05", "w06"]}, "prompt"), ({"max_tokens": "many"}, "max_tokens"),
                          ({"max_tokens": True}, "max_tokens"), ({"prompt": [True, 5]}, "prompt"), ({"n": True}, "n"),
                          ({"stop_token_ids": [999]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
-                         ({"repetition_penalty": 1.2}, "repetition_penalty"),
-                         ({"skip_special_tokens": 1}, "skip_special_tokens"),  # a bool's neutral value is a bool
-                         ({"add_generation_prompt": True}, "add_generation_prompt")):  # chat only
+                         ({"skip_special_tokens": 1}, "skip_special_tokens")):  # a bool is a bool
+
         answer = httpx.post(url, json=base | extra)
         assert answer.status_code == 400, (extra, answer.text)
         error = answer.json()["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"], extra
-    assert httpx.post(url, json=base | {"frequency_penalty": 0, "logit_bias": {}}).status_code == 200  # neutral
+    assert httpx.post(url, json=base | {"frequency_penalty": 0, "logit_bias": {}, "store": False}).status_code == 200
     for number in (1, 1.0):  # strict numbers still take a JSON integer where a float is expected
         assert httpx.post(url, json=base | {"temperature": number, "top_p": number}).status_code == 200
     public = httpx.post(url, json=base, headers={"X-Tenant": "__public__"})  # the namespace every tenant reads
@@ -288,6 +291,86 @@ def test_a_vllm_client_neutral_extensions_are_accepted(served):
     for route, body in (("/v1/completions", completion), ("/v1/chat/completions", chat)):
         answer = httpx.post(url + route, json=body)
         assert answer.status_code == 200, answer.text
+
+
+
+def test_unknown_fields_are_ignored_and_logged_once(served, caplog):
+    """A load-testing client sends fields of its own (and vLLM's `continuous_usage_stats`) with
+    its defaults: they are accepted, as OpenAI and vLLM accept them."""
+    url = served[1] + "/v1/completions"
+    body = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2, "whatever": 1, "add_generation_prompt": True}
+    with caplog.at_level("WARNING", logger="hf_paged_kv.serve"):
+        for _ in range(3):
+            answer = httpx.post(url, json=body)
+            assert answer.status_code == 200, answer.text
+    logged = [r.getMessage() for r in caplog.records if "does not know" in r.getMessage()]
+    assert len(logged) == 2 and "'whatever'" in logged[0] + logged[1]  # once per name, not per request
+    streamed = httpx.post(url, json=body | {"stream": True, "stream_options": {"include_usage": True, "x": 1}})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+
+
+def test_penalties_bias_and_min_p_give_the_engines_own_tokens(served, client):
+    engine, _ = served
+    prompt = [51, 15, 64, 14, 81, 52, 15, 64]
+    for extra in ({"repetition_penalty": 1.8}, {"presence_penalty": 2.0, "frequency_penalty": 1.0},
+                  {"min_p": 0.2, "temperature": 1.0, "seed": 3}):
+        answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0,
+                                           extra_body=extra | {"return_token_ids": True})
+        ours = {k: v for k, v in extra.items() if k not in ("temperature", "seed")}
+        sampled = extra.get("temperature", 0) > 0
+        expected = direct(engine, prompt, 12, do_sample=sampled, seed=extra.get("seed"), **ours)
+        assert answer.choices[0].model_extra["token_ids"] == expected, extra
+    plain = direct(engine, prompt, 12)
+    assert direct(engine, prompt, 12, repetition_penalty=1.8) != plain  # the parameter changes the tokens
+    biased = client.completions.create(model=NAME, prompt=prompt, max_tokens=3, temperature=0, logit_bias={"7": 100})
+    assert biased.choices[0].text.split() == ["w07"] * 3
+
+
+def test_min_tokens_holds_back_the_end_and_stop_strings_can_stay_in_the_text(served, client):
+    with_eos = {"logit_bias": {str(EOS): 100}}  # EOS would come first
+    answer = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=10, temperature=0,
+                                       extra_body=with_eos | {"min_tokens": 3, "return_token_ids": True})
+    ids = answer.choices[0].model_extra["token_ids"]
+    assert len(ids) == 4 and ids[-1] == EOS and EOS not in ids[:3] and answer.choices[0].finish_reason == "stop"
+    full = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=6, temperature=0).choices[0].text
+    stop = full.split()[2]
+    cut = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=6, temperature=0, stop=[stop])
+    kept = client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=6, temperature=0, stop=[stop],
+                                     extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].text == cut.choices[0].text + stop and kept.choices[0].finish_reason == "stop"
+
+
+def test_special_tokens_are_shown_when_asked(served, client):
+    padded = {"logit_bias": {str(PAD): 100}}  # PAD, a special token, every time
+    hidden = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=2, temperature=0, extra_body=padded)
+    shown = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=2, temperature=0,
+                                      extra_body=padded | {"skip_special_tokens": False})
+    assert hidden.choices[0].text.strip() == "" and shown.choices[0].text.split() == [word(PAD)] * 2
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
+    body = {"model": NAME, "prompt": "w05 w06 w07", "max_tokens": 5, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    answer = httpx.post(served[1] + "/v1/completions", json=body)
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines()
+              if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == 3 for c in chunks) and counts == sorted(counts)
+    assert counts[0] >= 1 and counts[-1] == 5 and len(set(counts)) > 2
+
+
+def test_cache_salt_shares_cached_prefixes_only_between_equal_salts(served):
+    url = served[1] + "/v1/completions"
+    prompt = list(range(10, 42))  # four blocks of 8
+
+    def cached(**extra) -> int:
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 1} | extra
+        return httpx.post(url, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached(cache_salt="a") == 0
+    assert cached(cache_salt="a") == 24  # the full blocks but the last, whose token the forward feeds
+    assert cached(cache_salt="b") == 0 and cached() == 0  # another salt, no salt: none of a's
+    assert cached(cache_salt="a", user="someone else") == 0  # the tenant still counts
 
 
 def test_errors_name_the_field_at_fault(served):
@@ -640,7 +723,8 @@ def test_serve_builds_an_app_from_a_model_directory(tmp_path, monkeypatch):
         out = http.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 3, "temperature": 0,
                                                       "messages": [{"role": "user", "content": "w09 w10"}]})
         assert out.status_code == 200, out.text
-        assert out.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+        assert out.json()["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}
         assert http.get("/health").status_code == 200
     assert engine.thread is None  # stopped with the app
     assert not hf_paged_kv.is_enabled(engine.model)  # the engine enabled it: it leaves it as it came

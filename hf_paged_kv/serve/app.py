@@ -9,25 +9,32 @@ server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /metrics` (
 Prometheus text), `GET /health`. The engine runs in this process: the app starts it when it
 starts and stops it when it stops.
 
-- `temperature: 0` is greedy; otherwise `temperature`, `top_p` (and the extension `top_k`)
-  sample, reproducibly with `seed` (any 64-bit integer). `n` must be 1. A chat completion
-  without `max_tokens` may fill what the context leaves, or what one request can hold in the
-  pool if that is less. A message's `name` goes to the chat template; the fields of an answer
-  sent back as history (`refusal`, `tool_calls`, ...) are dropped when empty. `stop` (up to 4
-  strings of up to 1,000 characters) ends the text before the first match. Extensions as in
-  vLLM: `ignore_eos`, `return_token_ids` (the token ids of the prompt and of each choice, or of
-  each chunk's text), `stop_token_ids` (tokens that end the text as EOS does, their text left
-  out, with `finish_reason: "stop"`). Integer fields take integers only, not `true`.
-- A field this server does not implement is refused with a 400 in OpenAI's error shape, unless
-  it carries its neutral value (`frequency_penalty: 0`, `logit_bias: {}`, ...; of vLLM's
-  extensions `repetition_penalty: 1`, `min_p: 0`, `min_tokens: 0`, `skip_special_tokens: true`,
-  `include_stop_str_in_output: false`, and in chat `add_generation_prompt: true`,
-  `chat_template_kwargs: {}`), as many clients send those by default. Unknown fields are
-  refused too.
+- `temperature: 0` is greedy; otherwise `temperature`, `top_p` sample, reproducibly with `seed`
+  (any 64-bit integer). `presence_penalty` and `frequency_penalty` (-2..2, over the output so
+  far) and `logit_bias` (token id -> -100..100) as OpenAI defines them. `n` must be 1. A chat
+  completion without `max_tokens` may fill what the context leaves, or what one request can
+  hold in the pool if that is less. A message's `name` goes to the chat template; the fields of
+  an answer sent back as history (`refusal`, `tool_calls`, ...) are dropped when empty. `stop`
+  (up to 4 strings of up to 1,000 characters) ends the text before the first match. Integer
+  fields take integers only, not `true`. `usage.prompt_tokens_details.cached_tokens` counts the
+  prompt tokens whose KV was found cached.
+- vLLM's extensions: `top_k` (0 or -1: off), `min_p`, `repetition_penalty` (transformers', over
+  prompt and output), `min_tokens` (no end token before), `ignore_eos`, `stop_token_ids` (tokens
+  that end the text as EOS does, their text left out, with `finish_reason: "stop"`),
+  `include_stop_str_in_output` (a matched stop string stays in the text),
+  `skip_special_tokens` (default true), `return_token_ids` (the token ids of the prompt and of
+  each choice, or of each chunk's text), `cache_salt` (requests reuse each other's cached
+  prefixes only when their salts, and tenants, are equal) and
+  `stream_options.continuous_usage_stats` (every chunk carries the usage so far).
+- A field of OpenAI's API this server does not implement (`logprobs`, `tools`,
+  `response_format`, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
+  neutral value, as many clients send those by default. A field it does not know at all is
+  accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
   huge prompt does not stall the other streams.
 - The tenant of a request (whose cached KV it may reuse) is the `X-Tenant` header, else the
-  `user` field, else "default"; `X-Priority` (an int) sets its scheduling priority.
+  `user` field, else "default" (with its `cache_salt`, if any); `X-Priority` (an int) sets its
+  scheduling priority.
 - When the engine sheds load the answer is 429 with `Retry-After` (whole seconds, rounded up),
   also for a request turned away while it waited: a streamed answer's status line waits for the
   first token, so a request shed or failed before it gets its own status (429, 500); a failure
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import threading
 import time
@@ -49,7 +57,7 @@ from typing import Any, ClassVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..arguments import is_unicode
@@ -62,14 +70,14 @@ MAX_STOP_STRINGS = 4
 # no limit, and a stop string of a thousand characters is already more than a sentence.
 MAX_STOP_LENGTH = 1000
 DETOKENIZER_CONTEXT = 5  # prompt tokens decoded with a completion's first tokens (leading spaces)
+MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value (either sign)
+MAX_PENALTY = 2  # OpenAI's bound on presence_penalty and frequency_penalty (either sign)
 ANY = object()
+log = logging.getLogger("hf_paged_kv.serve")
 
-# Fields of OpenAI's API this server does not implement, with the values that mean "off".
-# vLLM's extensions too: a client written for vLLM sends their neutral values by default.
-NEUTRAL_COMMON = {"frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}),
-                  "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY,
-                  "repetition_penalty": (None, 1), "min_p": (None, 0), "min_tokens": (None, 0),
-                  "skip_special_tokens": (None, True), "include_stop_str_in_output": (None, False)}
+# Fields of OpenAI's API this server does not implement, with the values that mean "off": a
+# client sends their neutral values by default. Any other field it does not know is ignored.
+NEUTRAL_COMMON = {"service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY}
 NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
                                        "suffix": (None, "")}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
@@ -111,8 +119,9 @@ def rate_limited(error: Overloaded) -> APIError:
 
 # ---------------------------------------------------------------------------- request bodies
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="allow")  # unknown options are ignored, as unknown fields are
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # extension (vLLM): every chunk carries the usage so far
 
 
 class GenerationRequest(BaseModel):
@@ -126,6 +135,12 @@ class GenerationRequest(BaseModel):
     temperature: StrictFloat | None = None  # strict still takes an integer (1), not a bool
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None  # extension (vLLM): 0 or -1 is off
+    min_p: StrictFloat | None = None  # extension (vLLM)
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # extension (vLLM)
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (as text) -> bias
+    min_tokens: StrictInt | None = None  # extension (vLLM)
     n: StrictInt | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -135,6 +150,9 @@ class GenerationRequest(BaseModel):
     ignore_eos: bool | None = False  # extension (vLLM)
     return_token_ids: bool | None = False  # extension (vLLM)
     stop_token_ids: list[StrictInt] | None = None  # extension (vLLM)
+    include_stop_str_in_output: StrictBool | None = False  # extension (vLLM)
+    skip_special_tokens: StrictBool | None = True  # extension (vLLM)
+    cache_salt: str | None = None  # extension (vLLM)
 
     @model_validator(mode="before")
     @classmethod
@@ -181,10 +199,23 @@ def unencodable(value, where: str = "body") -> str | None:
     return None
 
 
-def check_extras(body: GenerationRequest, neutral: dict) -> None:
-    for name, value in (body.model_extra or {}).items():
+MAX_LOGGED_FIELDS = 100  # distinct unknown field names logged; names are the client's to choose
+
+
+def check_extras(body: GenerationRequest, neutral: dict, ignored: set[str]) -> None:
+    """400 for a field this server knows but does not implement, sent with a value other than its
+    neutral one; a field it does not know is ignored, and logged the first time (`ignored`: the
+    names logged so far, up to `MAX_LOGGED_FIELDS`)."""
+    extras = dict(body.model_extra or {})
+    if body.stream_options is not None:
+        extras.update({f"stream_options.{k}": v for k, v in (body.stream_options.model_extra or {}).items()})
+    for name, value in extras.items():
         if name not in neutral:
-            raise invalid(f"Unrecognized request argument supplied: {name}", param=name)
+            if name not in ignored and len(ignored) < MAX_LOGGED_FIELDS:
+                ignored.add(name)
+                log.warning("ignoring the request field %r, which this server does not know (logged once%s)",
+                            name[:100], "; no more are logged" if len(ignored) == MAX_LOGGED_FIELDS else "")
+            continue
         allowed = neutral[name]
         if allowed is not ANY and not any(same_value(value, v) for v in allowed):
             shown = " or ".join(json.dumps(v) for v in allowed)
@@ -204,8 +235,8 @@ class Detokenizer:
     the decoded tail of a short window minus the decoded window before it (as TGI and vLLM do).
     `context` (the prompt's last tokens) makes a completion's first piece carry its leading space."""
 
-    def __init__(self, tokenizer, context: list[int] = ()):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, context: list[int] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids = list(context)
         self.prefix, self.read = 0, len(self.ids)
 
@@ -224,21 +255,23 @@ class Detokenizer:
     def decode(self, ids: list[int]) -> str:
         if not ids or self.tokenizer is None:  # a server without a tokenizer answers in token ids only
             return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
 
 class StopMatcher:
     """Holds back text that may begin a stop string; reports the first stop string met."""
 
-    def __init__(self, stops: list[str]):
-        self.stops, self.pending = [s for s in stops if s], ""
+    def __init__(self, stops: list[str], include: bool = False):
+        self.stops, self.pending, self.include = [s for s in stops if s], "", include
 
     def feed(self, text: str) -> tuple[str, bool]:
-        """(text safe to emit, whether a stop string was met: the text then ends before it)."""
+        """(text safe to emit, whether a stop string was met: the text then ends before it, or
+        with it when `include`)."""
         self.pending += text
-        hits = [self.pending.find(s) for s in self.stops if s in self.pending]
+        hits = [(self.pending.find(s), s) for s in self.stops if s in self.pending]
         if hits:
-            emit, self.pending = self.pending[: min(hits)], ""
+            start, stop = min(hits, key=lambda hit: (hit[0], -len(hit[1])))
+            emit, self.pending = self.pending[: start + (len(stop) if self.include else 0)], ""
             return emit, True
         hold = max((self.overlap(s) for s in self.stops), default=0)
         emit, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold:]
@@ -475,7 +508,44 @@ class OpenAIServer:
             raise invalid("stream_options is only allowed when stream is true", "stream_options")
         self.check_length(prompt_length, max_tokens, body)
         return dict(max_new_tokens=max_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
-                    top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=self.end_tokens(body))
+                    top_p=top_p, top_k=top_k, seed=body.seed, eos_token_id=self.end_tokens(body),
+                    **self.penalties(body, max_tokens))
+
+    def penalties(self, body: GenerationRequest, max_tokens: int) -> dict:
+        """The engine's penalty, bias, min-p and min-tokens arguments (400 on a bad one)."""
+        found = {}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(body, name)
+            if value is not None and not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise invalid(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}", name)
+            found[name] = value or 0.0
+        repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise invalid(f"repetition_penalty must be > 0 (1: off), got {repetition}", "repetition_penalty")
+        min_p = 0.0 if body.min_p is None else body.min_p
+        if not 0 <= min_p <= 1:
+            raise invalid(f"min_p must be in [0, 1] (0: off), got {min_p}", "min_p")
+        min_tokens = body.min_tokens or 0
+        if not 0 <= min_tokens <= max_tokens:
+            raise invalid(f"min_tokens must be in [0, {body.max_tokens_field()}={max_tokens}], got {min_tokens}",
+                          "min_tokens")
+        return found | dict(repetition_penalty=repetition, min_p=min_p, min_tokens=min_tokens,
+                            logit_bias=self.logit_bias(body.logit_bias or {}))
+
+    def logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """OpenAI's `logit_bias`: token ids (as JSON keys, so text) to biases in [-100, 100]."""
+        tokens = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid(f"logit_bias keys must be token ids, got {key[:40]!r}", "logit_bias") from None
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise invalid(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], got {value} "
+                              f"for token {token}", "logit_bias")
+            tokens[token] = value
+        self.check_vocabulary(list(tokens), "logit_bias")
+        return tokens
 
     def end_tokens(self, body: GenerationRequest) -> list[int]:
         """The tokens that end the text: the model's EOS (unless `ignore_eos`) and `stop_token_ids`."""
@@ -526,8 +596,13 @@ class OpenAIServer:
 
     @staticmethod
     def who(request: Request, body: GenerationRequest) -> tuple[str, int]:
-        """The tenant (X-Tenant header, else `user`, else "default") and priority (X-Priority)."""
+        """The tenant (X-Tenant header, else `user`, else "default"; with a `cache_salt`, that
+        tenant and the salt together) and priority (X-Priority)."""
         tenant = request.headers.get("x-tenant") or body.user or "default"
+        if body.cache_salt is not None:
+            if not body.cache_salt:
+                raise invalid("cache_salt must not be empty", "cache_salt")
+            tenant = json.dumps([tenant, body.cache_salt])  # a name of its own: reuse only with the same salt
         try:
             priority = int(request.headers.get("x-priority", "0"))
         except ValueError:
@@ -550,7 +625,8 @@ class OpenAIServer:
         params = self.sampling(body, len(ids), max_tokens)
         stops = self.stop_strings(body.stop)
         handle = self.submit(ids, params, *self.who(request, body))
-        generation = Generation(handle, Detokenizer(self.tokenizer, context), StopMatcher(stops),
+        detokenizer = Detokenizer(self.tokenizer, context, body.skip_special_tokens is not False)
+        generation = Generation(handle, detokenizer, StopMatcher(stops, bool(body.include_stop_str_in_output)),
                                 set(params["eos_token_id"]))
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
         if body.stream:
@@ -572,12 +648,13 @@ class OpenAIServer:
     async def events(self, generation: Generation, fmt, meta: dict, ids: list[int], body: GenerationRequest,
                      pieces, first: tuple[str, list[int]] | None):
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
+        every_chunk = want_usage and body.stream_options.continuous_usage_stats  # vLLM's: usage so far
         with_ids, opening = bool(body.return_token_ids), [True]
 
         def chunk(choices: list[dict], **extra) -> str:
             payload = meta | {"object": fmt.chunk_object, "choices": choices} | extra
             if want_usage:
-                payload.setdefault("usage", None)
+                payload.setdefault("usage", usage(ids, generation) if every_chunk else None)
             if with_ids and opening[0]:
                 payload["prompt_token_ids"], opening[0] = ids, False
             return sse(payload)
@@ -636,8 +713,11 @@ def chat_message(message: dict, index: int) -> dict:
 
 
 def usage(ids: list[int], generation: Generation) -> dict:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens whose KV the engine found cached."""
     completion = len(generation.tokens)
-    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion}
+    cached = min(generation.handle.request.inherited, len(ids))
+    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 # ------------------------------------------------------------------------------------ the app
@@ -646,6 +726,7 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
     `model_name`. `default_max_tokens` caps a chat completion without `max_tokens` (by default
     it may fill the model's context, as OpenAI's does); completions default to 16, as OpenAI's."""
     server = OpenAIServer(engine, model_name, default_max_tokens)
+    ignored: set[str] = set()  # the unknown fields logged so far
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -661,7 +742,7 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        check_extras(body, NEUTRAL_COMPLETION)
+        check_extras(body, NEUTRAL_COMPLETION, ignored)
         server.check_model(body.model)
         # on a worker thread, as the chat's below: a huge prompt must not stall the other streams
         ids = await asyncio.to_thread(server.completion_prompt, body.prompt)
@@ -670,7 +751,7 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        check_extras(body, NEUTRAL_CHAT)
+        check_extras(body, NEUTRAL_CHAT, ignored)
         server.check_model(body.model)
         ids = await asyncio.to_thread(server.chat_prompt, body.messages)
         return await server.respond(request, body, ids, ChatFormat(), server.chat_max_tokens(body, len(ids)), [])
