@@ -249,7 +249,7 @@ def test_models_metrics_and_health(served, client):
 def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client):
     url = served[1] + "/v1/completions"
     base = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
-    for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
+    for extra, param in (({"n": 0}, "n"), ({"n": 65, "prompt": ["w05", "w06"]}, "n"), ({"logprobs": 1}, "logprobs"),
                          ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
                          ({"logit_bias": {"w05": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
                          ({"logit_bias": {"999": 1}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
@@ -257,7 +257,7 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
                          ({"cache_salt": ""}, "cache_salt"), ({"echo": True}, "echo"),
                          ({"temperature": 3}, "temperature"),
                          ({"max_tokens": 5000}, "max_tokens"), ({"prompt": [1, 999]}, "prompt"),
-                         ({"prompt": ["w05", "w06"]}, "prompt"), ({"max_tokens": "many"}, "max_tokens"),
+                         ({"prompt": ["w05", ""]}, "prompt"), ({"max_tokens": "many"}, "max_tokens"),
                          ({"max_tokens": True}, "max_tokens"), ({"prompt": [True, 5]}, "prompt"), ({"n": True}, "n"),
                          ({"stop_token_ids": [999]}, "stop_token_ids"), ({"stop_token_ids": [True]}, "stop_token_ids"),
                          ({"skip_special_tokens": 1}, "skip_special_tokens")):  # a bool is a bool
@@ -271,8 +271,8 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
         assert httpx.post(url, json=base | {"temperature": number, "top_p": number}).status_code == 200
     public = httpx.post(url, json=base, headers={"X-Tenant": "__public__"})  # the namespace every tenant reads
     assert public.status_code == 400 and "tenant must be" in public.json()["error"]["message"], public.text
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=NAME, prompt="w05", n=2)
+    with pytest.raises(openai.BadRequestError, match="at most 128 choices per request"):
+        client.completions.create(model=NAME, prompt="w05", n=129)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="w05")
     with pytest.raises(openai.BadRequestError, match="tool"):
@@ -371,6 +371,60 @@ def test_cache_salt_shares_cached_prefixes_only_between_equal_salts(served):
     assert cached(cache_salt="a") == 24  # the full blocks but the last, whose token the forward feeds
     assert cached(cache_salt="b") == 0 and cached() == 0  # another salt, no salt: none of a's
     assert cached(cache_salt="a", user="someone else") == 0  # the tenant still counts
+
+
+
+def test_n_choices_share_the_prompt_and_seeded_ones_are_reproducible(served, client):
+    engine, _ = served
+    prompt = list(range(10, 51))  # 41 tokens: five full blocks of 8
+    before = engine.stats()
+    greedy = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, n=4,
+                                       extra_body={"ignore_eos": True})
+    after = engine.stats()
+    assert [c.index for c in greedy.choices] == [0, 1, 2, 3] and len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.prompt_tokens == 41 and greedy.usage.completion_tokens == 24
+    # the prompt is computed once: three samples inherit its five full blocks
+    assert after["tokens_prefilled"] - before["tokens_prefilled"] <= 41 + 3 * 8
+    assert after["tokens_inherited"] - before["tokens_inherited"] >= 3 * 40
+    sampled = client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, n=3,
+                                        extra_body={"return_token_ids": True})
+    tokens = [c.model_extra["token_ids"] for c in sampled.choices]
+    assert tokens == [direct(engine, prompt, 8, do_sample=True, seed=5 + k) for k in range(3)]
+    assert len({tuple(t) for t in tokens}) > 1  # the samples differ
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "w05 w06"}],
+                                          max_tokens=3, temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+def test_a_list_of_prompts_gives_one_choice_each_in_order(served, client):
+    engine, _ = served
+    prompts = [[51, 15, 64], [20, 21, 22, 23, 24], [70, 71]]
+    answer = client.completions.create(model=NAME, prompt=prompts, max_tokens=5, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    assert [c.model_extra["token_ids"] for c in answer.choices] == [direct(engine, p, 5) for p in prompts]
+    assert answer.usage.prompt_tokens == 10
+    texts = client.completions.create(model=NAME, prompt=["w05 w06", "w07"], max_tokens=2, temperature=0, n=2)
+    assert [c.index for c in texts.choices] == [0, 1, 2, 3] and texts.choices[0].text == texts.choices[1].text
+
+
+def test_several_choices_stream_each_under_its_index(served):
+    body = {"model": NAME, "prompt": ["w05 w06", "w07 w08 w09"], "max_tokens": 4, "temperature": 0, "n": 2,
+            "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    answer = httpx.post(served[1] + "/v1/completions", json=body)
+    assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+    chunks = [json.loads(line[6:]) for line in answer.text.splitlines() if line.startswith("data: {")]
+    text = {i: "" for i in range(4)}
+    finished = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            text[choice["index"]] += choice["text"]
+            if choice["finish_reason"]:
+                finished[choice["index"]] = choice["finish_reason"]
+    whole = httpx.post(served[1] + "/v1/completions",
+                       json={k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}).json()
+    assert text == {c["index"]: c["text"] for c in whole["choices"]} and finished == dict.fromkeys(range(4), "length")
+    assert chunks[-1]["usage"]["completion_tokens"] == 16 and chunks[-1]["usage"]["prompt_tokens"] == 5
 
 
 def test_errors_name_the_field_at_fault(served):

@@ -11,9 +11,11 @@ starts and stops it when it stops.
 
 - `temperature: 0` is greedy; otherwise `temperature`, `top_p` sample, reproducibly with `seed`
   (any 64-bit integer). `presence_penalty` and `frequency_penalty` (-2..2, over the output so
-  far) and `logit_bias` (token id -> -100..100) as OpenAI defines them. `n` must be 1. A chat
-  completion without `max_tokens` may fill what the context leaves, or what one request can
-  hold in the pool if that is less. A message's `name` goes to the chat template; the fields of
+  far) and `logit_bias` (token id -> -100..100) as OpenAI defines them. `n` choices per prompt
+  (up to 128 choices in all; a seeded request's choice k is seeded `seed + k`) share the
+  prompt's cached blocks; `/v1/completions` takes a list of prompts (text or token ids), one
+  choice each (`n` each), in order. A chat completion without `max_tokens` may fill what the
+  context leaves, or what one request can hold in the pool if that is less. A message's `name` goes to the chat template; the fields of
   an answer sent back as history (`refusal`, `tool_calls`, ...) are dropped when empty. `stop`
   (up to 4 strings of up to 1,000 characters) ends the text before the first match. Integer
   fields take integers only, not `true`. `usage.prompt_tokens_details.cached_tokens` counts the
@@ -70,6 +72,7 @@ MAX_STOP_STRINGS = 4
 # no limit, and a stop string of a thousand characters is already more than a sentence.
 MAX_STOP_LENGTH = 1000
 DETOKENIZER_CONTEXT = 5  # prompt tokens decoded with a completion's first tokens (leading spaces)
+MAX_CHOICES = 128  # choices per request (prompts x n): OpenAI's bound on n
 MAX_LOGIT_BIAS = 100  # OpenAI's bound on a logit_bias value (either sign)
 MAX_PENALTY = 2  # OpenAI's bound on presence_penalty and frequency_penalty (either sign)
 ANY = object()
@@ -294,8 +297,8 @@ class Generation:
     """One request's tokens as text pieces, its finish reason, and its cancellation when the
     reader goes away (a disconnected client) or a stop string ends it early."""
 
-    def __init__(self, handle, detokenizer: Detokenizer, stops: StopMatcher, eos: set[int]):
-        self.handle, self.detokenizer, self.stops, self.eos = handle, detokenizer, stops, eos
+    def __init__(self, index: int, handle, detokenizer: Detokenizer, stops: StopMatcher, eos: set[int]):
+        self.index, self.handle, self.detokenizer, self.stops, self.eos = index, handle, detokenizer, stops, eos
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
 
@@ -339,30 +342,31 @@ class Generation:
 class TextFormat:
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
-    def start(self) -> dict | None:
+    def start(self, index: int) -> dict | None:
         return None
 
-    def delta(self, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        return self.final(text, finish, ids)
+    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
+        return self.final(index, text, finish, ids)
 
-    def final(self, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
 
 class ChatFormat:
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
-    def start(self) -> dict | None:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def start(self, index: int) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
 
-    def delta(self, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": 0, "delta": {"content": text} if text or not finish else {}, "logprobs": None,
+    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
+        choice = {"index": index, "delta": {"content": text} if text or not finish else {}, "logprobs": None,
                   "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
-    def final(self, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
                   "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
@@ -374,17 +378,16 @@ def sse(payload: dict | str) -> str:
 class EventStream(StreamingResponse):
     """Server-sent events that cancel their request however the response ends."""
 
-    def __init__(self, content, handle):
+    def __init__(self, content, handles):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.handle = handle
+        self.handles = handles
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.handle.done:
-                self.handle.cancel()
+            cancel(self.handles)
             try:
                 await self.body_iterator.aclose()
             except Exception:  # noqa: BLE001 - the client is gone; nothing left to tell it
@@ -397,8 +400,14 @@ async def disconnected(request: Request) -> None:
         pass
 
 
-async def watched(request: Request, generation: Generation, work) -> tuple[bool, Any]:
-    """Awaits `work` unless the client goes away first, which cancels the request:
+def cancel(handles) -> None:
+    for handle in handles:
+        if not handle.done:
+            handle.cancel()
+
+
+async def watched(request: Request, generations: list[Generation], work) -> tuple[bool, Any]:
+    """Awaits `work` unless the client goes away first, which cancels the requests:
     `(True, result)` or `(False, None)`."""
     task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected(request))
     try:
@@ -407,8 +416,26 @@ async def watched(request: Request, generation: Generation, work) -> tuple[bool,
         watch.cancel()
         if not task.done():
             task.cancel()
-            generation.handle.cancel()
+            cancel(g.handle for g in generations)
     return (True, task.result()) if task in done else (False, None)
+
+
+async def each(generations: list[Generation], work) -> list:
+    """`work(generation)` for every choice at once, in order; the first to fail cancels the others'
+    requests and its error is raised (a request shed while it waited: the whole answer is a 429)."""
+    tasks = [asyncio.ensure_future(work(g)) for g in generations]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    except asyncio.CancelledError:
+        for task in tasks:
+            task.cancel()
+        raise
+    failed = next((t.exception() for t in tasks if t in done and t.exception() is not None), None)
+    if failed is not None:
+        cancel(g.handle for g in generations)
+        await asyncio.gather(*pending, return_exceptions=True)
+        raise failed
+    return [task.result() for task in tasks]
 
 
 async def first_piece(pieces) -> tuple[str, list[int]] | None:
@@ -452,16 +479,20 @@ class OpenAIServer:
             raise APIError(404, f"The model `{name}` does not exist: this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
-    def completion_prompt(self, prompt) -> list[int]:
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise invalid("batched prompts are not supported: send one prompt per request", "prompt")
-            prompt = prompt[0]
-        ids = self.tokenize(prompt, special=True) if isinstance(prompt, str) else list(prompt)
-        self.check_vocabulary(ids, "prompt")
-        if not ids:
-            raise invalid("the prompt is empty", "prompt")
-        return ids
+    def completion_prompts(self, prompt) -> list[list[int]]:
+        """A completion's prompts: one (text or token ids) or a list of them, one choice each."""
+        batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+        if len(batch) > MAX_CHOICES:
+            raise invalid(f"at most {MAX_CHOICES} prompts per request, got {len(batch)}", "prompt")
+        prompts = []
+        for one in batch:
+            ids = self.tokenize(one, special=True) if isinstance(one, str) else list(one)
+            self.check_vocabulary(ids, "prompt")
+            if not ids:
+                raise invalid("the prompt is empty" if len(batch) == 1 else f"prompt {len(prompts)} is empty",
+                              "prompt")
+            prompts.append(ids)
+        return prompts
 
     def check_vocabulary(self, ids: list[int], field: str) -> None:
         out_of_range = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -491,8 +522,6 @@ class OpenAIServer:
     # --------------------------------------------------------------- parameters
     def sampling(self, body: GenerationRequest, prompt_length: int, max_tokens: int) -> dict:
         """The engine's `submit` arguments for these OpenAI parameters (400 on a bad one)."""
-        if body.n not in (None, 1):
-            raise invalid("n must be 1: this server returns one choice per request", "n")
         temperature = 1.0 if body.temperature is None else body.temperature
         if not 0 <= temperature <= 2:
             raise invalid(f"temperature must be in [0, 2], got {temperature}", "temperature")
@@ -620,33 +649,69 @@ class OpenAIServer:
             raise APIError(503, str(error), kind="server_error", code="engine_unavailable") from error
 
     # ---------------------------------------------------------------- responses
-    async def respond(self, request: Request, body: GenerationRequest, ids: list[int], fmt, max_tokens: int,
-                      context: list[int]):
-        params = self.sampling(body, len(ids), max_tokens)
-        stops = self.stop_strings(body.stop)
-        handle = self.submit(ids, params, *self.who(request, body))
-        detokenizer = Detokenizer(self.tokenizer, context, body.skip_special_tokens is not False)
-        generation = Generation(handle, detokenizer, StopMatcher(stops, bool(body.include_stop_str_in_output)),
-                                set(params["eos_token_id"]))
+    def choices_per_prompt(self, body: GenerationRequest, prompts: int) -> int:
+        n = 1 if body.n is None else body.n
+        if n < 1:
+            raise invalid(f"n must be at least 1, got {n}", "n")
+        if n * prompts > MAX_CHOICES:
+            raise invalid(f"at most {MAX_CHOICES} choices per request, got {prompts} prompt(s) x n={n}", "n")
+        return n
+
+    def submit_choices(self, body: GenerationRequest, prompts: list[list[int]], contexts: list[list[int]], max_tokens: int,
+              tenant: str, priority: int) -> list[Generation]:
+        """Submit `n` choices per prompt (index: prompt's position x n + sample): choice k > 0 of a
+        seeded request is seeded `seed + k`. The samples of one prompt share its cached blocks (the
+        first prefill's full blocks, which the others wait for and inherit). One refused submit
+        cancels the choices already submitted."""
+        n, stops = self.choices_per_prompt(body, len(prompts)), self.stop_strings(body.stop)
+        generations: list[Generation] = []
+        try:
+            for ids, context in zip(prompts, contexts):
+                params = self.sampling(body, len(ids), max_tokens)
+                for k in range(n):
+                    seed = params["seed"]
+                    seeded = params | ({"seed": seed + k if seed + k < 2**64 else seed - k} if seed is not None else {})
+                    generations.append(Generation(
+                        len(generations), self.submit(ids, seeded, tenant, priority),
+                        Detokenizer(self.tokenizer, context, body.skip_special_tokens is not False),
+                        StopMatcher(stops, bool(body.include_stop_str_in_output)), set(params["eos_token_id"])))
+        except APIError:
+            cancel(g.handle for g in generations)
+            raise
+        return generations
+
+    async def respond(self, request: Request, body: GenerationRequest, prompts: list[list[int]], fmt,
+                      max_tokens: int, contexts: list[list[int]]):
+        generations = self.submit_choices(body, prompts, contexts, max_tokens, *self.who(request, body))
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
+        per_prompt = len(generations) // len(prompts)
         if body.stream:
-            # The status line waits for the first piece: a request shed or failed before its
-            # first token is answered with its own status (429, 500), not a 200 that breaks off.
-            pieces = generation.pieces()
-            arrived, first = await watched(request, generation, first_piece(pieces))
+            # The status line waits for every choice's first piece: a request shed or failed before
+            # its first token is answered with its own status (429, 500), not a 200 that breaks off.
+            streams = [g.pieces() for g in generations]
+            arrived, firsts = await watched(request, generations,
+                                            each(generations, lambda g: first_piece(streams[g.index])))
             if not arrived:
                 return Response(status_code=499)  # the client went away: nobody to answer
-            return EventStream(self.events(generation, fmt, meta, ids, body, pieces, first), handle)
-        arrived, text = await watched(request, generation, collect(generation))
+            return EventStream(self.events(generations, streams, firsts, fmt, meta, prompts, body),
+                               [g.handle for g in generations])
+        arrived, texts = await watched(request, generations, each(generations, collect))
         if not arrived:
             return Response(status_code=499)
         with_ids = bool(body.return_token_ids)
-        choice = fmt.final(text, generation.finish_reason, generation.tokens if with_ids else None)
-        answer = meta | {"object": fmt.object, "choices": [choice], "usage": usage(ids, generation)}
-        return JSONResponse(answer | ({"prompt_token_ids": ids} if with_ids else {}))
+        choices = []
+        for g, text in zip(generations, texts):
+            choice = fmt.final(g.index, text, g.finish_reason, g.tokens if with_ids else None)
+            if with_ids and len(prompts) > 1:
+                choice["prompt_token_ids"] = prompts[g.index // per_prompt]
+            choices.append(choice)
+        answer = meta | {"object": fmt.object, "choices": choices, "usage": usage(prompts, generations)}
+        return JSONResponse(answer | ({"prompt_token_ids": prompts[0]} if with_ids and len(prompts) == 1 else {}))
 
-    async def events(self, generation: Generation, fmt, meta: dict, ids: list[int], body: GenerationRequest,
-                     pieces, first: tuple[str, list[int]] | None):
+    async def events(self, generations: list[Generation], streams, firsts, fmt, meta: dict,
+                     prompts: list[list[int]], body: GenerationRequest):
+        """The choices' chunks as their pieces come (each names its choice's index), then the
+        usage chunk when asked, then `[DONE]`."""
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
         every_chunk = want_usage and body.stream_options.continuous_usage_stats  # vLLM's: usage so far
         with_ids, opening = bool(body.return_token_ids), [True]
@@ -654,25 +719,47 @@ class OpenAIServer:
         def chunk(choices: list[dict], **extra) -> str:
             payload = meta | {"object": fmt.chunk_object, "choices": choices} | extra
             if want_usage:
-                payload.setdefault("usage", usage(ids, generation) if every_chunk else None)
+                payload.setdefault("usage", usage(prompts, generations) if every_chunk else None)
             if with_ids and opening[0]:
-                payload["prompt_token_ids"], opening[0] = ids, False
+                payload["prompt_token_ids"], opening[0] = (prompts[0] if len(prompts) == 1 else prompts), False
             return sse(payload)
 
+        pieces: asyncio.Queue = asyncio.Queue()
+
+        async def pump(generation: Generation, stream) -> None:
+            try:
+                async for text, ids in stream:
+                    await pieces.put((generation, text, ids))
+                await pieces.put((generation, None, None))
+            except Exception as error:  # noqa: BLE001 - told to the client below
+                await pieces.put((generation, error, None))
+
+        pumps = []
         try:
-            if (start := fmt.start()) is not None:
-                yield chunk([start])
-            if first is not None:
-                yield chunk([fmt.delta(first[0], None, first[1] if with_ids else None)])
-            async for text, piece_ids in pieces:
-                yield chunk([fmt.delta(text, None, piece_ids if with_ids else None)])
-            yield chunk([fmt.delta("", generation.finish_reason, [] if with_ids else None)])
+            for g, first in zip(generations, firsts):
+                if (start := fmt.start(g.index)) is not None:
+                    yield chunk([start])
+                if first is not None:
+                    yield chunk([fmt.delta(g.index, first[0], None, first[1] if with_ids else None)])
+            pumps = [asyncio.ensure_future(pump(g, stream)) for g, stream in zip(generations, streams)]
+            for _ in generations:  # until every choice has finished
+                while True:
+                    g, text, ids = await pieces.get()
+                    if isinstance(text, Exception):
+                        raise text
+                    if text is None:
+                        break
+                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None)])
+                yield chunk([fmt.delta(g.index, "", g.finish_reason, [] if with_ids else None)])
             if want_usage:
-                yield chunk([], usage=usage(ids, generation))
+                yield chunk([], usage=usage(prompts, generations))
         except APIError as error:
             yield sse(error.body())
         except Exception as error:  # noqa: BLE001 - the status line is gone: the stream says what failed
             yield sse(APIError(500, f"generation failed: {error!r}", kind="server_error").body())
+        finally:
+            for task in pumps:
+                task.cancel()
         yield sse("[DONE]")
 
 
@@ -712,11 +799,15 @@ def chat_message(message: dict, index: int) -> dict:
     return {"role": role, "content": content} | ({"name": name} if name else {})
 
 
-def usage(ids: list[int], generation: Generation) -> dict:
-    """OpenAI's usage; `cached_tokens`: the prompt tokens whose KV the engine found cached."""
-    completion = len(generation.tokens)
-    cached = min(generation.handle.request.inherited, len(ids))
-    return {"prompt_tokens": len(ids), "completion_tokens": completion, "total_tokens": len(ids) + completion,
+def usage(prompts: list[list[int]], generations: list[Generation]) -> dict:
+    """OpenAI's usage: each prompt counted once, whatever its `n`; `cached_tokens`: per prompt, the
+    prompt tokens whose KV its first sample's admission found cached (the other samples wait for
+    and share what that one computes)."""
+    per_prompt = len(generations) // len(prompts)
+    prompt = sum(map(len, prompts))
+    completion = sum(len(g.tokens) for g in generations)
+    cached = sum(min(generations[i * per_prompt].handle.request.inherited, len(ids)) for i, ids in enumerate(prompts))
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
@@ -745,16 +836,17 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
         check_extras(body, NEUTRAL_COMPLETION, ignored)
         server.check_model(body.model)
         # on a worker thread, as the chat's below: a huge prompt must not stall the other streams
-        ids = await asyncio.to_thread(server.completion_prompt, body.prompt)
+        prompts = await asyncio.to_thread(server.completion_prompts, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
-        return await server.respond(request, body, ids, TextFormat(), max_tokens, ids[-DETOKENIZER_CONTEXT:])
+        return await server.respond(request, body, prompts, TextFormat(), max_tokens,
+                                    [ids[-DETOKENIZER_CONTEXT:] for ids in prompts])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_extras(body, NEUTRAL_CHAT, ignored)
         server.check_model(body.model)
         ids = await asyncio.to_thread(server.chat_prompt, body.messages)
-        return await server.respond(request, body, ids, ChatFormat(), server.chat_max_tokens(body, len(ids)), [])
+        return await server.respond(request, body, [ids], ChatFormat(), server.chat_max_tokens(body, len(ids)), [[]])
 
     @app.get("/v1/models")
     async def models():
