@@ -63,11 +63,11 @@ def text_of(ids) -> str:
 
 
 @contextlib.contextmanager
-def serving(engine):
+def serving(engine, **options):
     """A real uvicorn server on a free port, in a thread; yields its base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME), log_level="warning", lifespan="on"))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, NAME, **options), log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -86,7 +86,7 @@ def serving(engine):
 def served():
     model = make_model("llama", seed=11)
     engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=128, block_size=8))
-    with serving(engine) as url:
+    with serving(engine, trust_headers=True) as url:  # X-Tenant and X-Priority taken, as behind a proxy
         yield engine, url
     assert not engine.thread, "the app's lifespan stops the engine"
     hf_paged_kv.disable(model)
@@ -219,19 +219,62 @@ def test_seeded_sampling_is_reproducible(client):
     assert first == again
 
 
-def test_tenants_come_from_the_x_tenant_header_or_the_user_field(served, client):
-    """No KV crosses tenants: the same prompt under another tenant computes its prefix again."""
-    engine = served[0]
+@pytest.mark.parametrize("trusted", [True, False])
+def test_tenants_come_from_the_x_tenant_header_only_where_the_operator_trusts_it(trusted):
+    """No KV crosses tenants: the same prompt under another tenant computes its prefix again. A
+    client picks its tenant by header only where the operator says a proxy sets it."""
+    model = make_model("llama", seed=11)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=64, block_size=8))
     ids = torch.randint(3, VOCAB, (25,), generator=torch.Generator().manual_seed(4)).tolist()  # 3 full blocks
+    with serving(engine, trust_headers=trusted) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
 
-    def inherited(**kwargs) -> int:
-        before = engine.stats()["tokens_inherited"]
-        client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, **kwargs)
-        return engine.stats()["tokens_inherited"] - before
+        def inherited(**kwargs) -> int:
+            before = engine.stats()["tokens_inherited"]
+            client.completions.create(model=NAME, prompt=ids, max_tokens=2, temperature=0, **kwargs)
+            return engine.stats()["tokens_inherited"] - before
 
-    assert inherited() == 0 and inherited() == 24  # computed once, then reused (tenant "default")
-    assert inherited(extra_headers={"X-Tenant": "acme"}) == 0  # another tenant: nothing to reuse
-    assert inherited(user="acme") == 24 and inherited(extra_headers={"X-Tenant": "acme"}, user="zed") == 24
+        assert inherited() == 0 and inherited() == 24  # computed once, then reused (tenant "default")
+        assert inherited(extra_headers={"X-Tenant": "acme"}) == (0 if trusted else 24)
+        assert inherited(user="zed") == 24  # `user` names the end user, not a tenant
+    hf_paged_kv.disable(model)
+
+
+def test_an_api_key_guards_every_route_but_health_metrics_and_version():
+    model = make_model("llama", seed=11)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=32, block_size=8))
+    with serving(engine, api_key="s3cret") as url:
+        body = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
+            answer = httpx.post(url + "/v1/completions", json=body, headers=headers)
+            assert answer.status_code == 401 and answer.json()["error"]["code"] == "invalid_api_key", answer.text
+            assert answer.headers["x-request-id"]
+        assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.post(url + "/tokenize", json={"prompt": "w05"}).status_code == 401
+        for route in ("/health", "/metrics", "/version"):
+            assert httpx.get(url + route).status_code == 200, route
+        good = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=NAME, prompt="w05 w06", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="nope", max_retries=0).models.list()
+    hf_paged_kv.disable(model)
+
+
+def test_tokenize_detokenize_version_and_request_ids(served):
+    url = served[1]
+    tokens = httpx.post(url + "/tokenize", json={"model": NAME, "prompt": "w05 w06 w07"}).json()
+    assert tokens == {"count": 3, "max_model_len": tokens["max_model_len"], "tokens": [5, 6, 7]}
+    chat = httpx.post(url + "/tokenize", json={"messages": [{"role": "user", "content": "w09"}]}).json()
+    assert chat["tokens"] == [4, 9, 6]  # the chat template: w04 (user) w09 w06 (the assistant's turn)
+    assert httpx.post(url + "/detokenize", json={"model": NAME, "tokens": [5, 6, 7]}).json() == {"prompt": "w05 w06 w07"}
+    assert httpx.post(url + "/detokenize", json={"tokens": [999]}).status_code == 400
+    assert httpx.post(url + "/tokenize", json={}).status_code == 400
+    assert httpx.get(url + "/version").json() == {"version": hf_paged_kv.__version__}
+    echoed = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "max_tokens": 1},
+                        headers={"X-Request-Id": "abc-123"})
+    assert echoed.headers["x-request-id"] == "abc-123"
+    made = {httpx.get(url + "/health").headers["x-request-id"] for _ in range(2)}
+    assert len(made) == 2 and all(len(i) == 32 for i in made)
 
 
 def test_models_metrics_and_health(served, client):
@@ -370,7 +413,10 @@ def test_cache_salt_shares_cached_prefixes_only_between_equal_salts(served):
     assert cached(cache_salt="a") == 0
     assert cached(cache_salt="a") == 24  # the full blocks but the last, whose token the forward feeds
     assert cached(cache_salt="b") == 0 and cached() == 0  # another salt, no salt: none of a's
-    assert cached(cache_salt="a", user="someone else") == 0  # the tenant still counts
+    assert cached(cache_salt="a", user="someone else") == 24  # `user` is no tenant
+    tenant = httpx.post(url, json={"model": NAME, "prompt": prompt, "max_tokens": 1, "cache_salt": "a"},
+                        headers={"X-Tenant": "acme"})
+    assert tenant.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # the tenant still counts
 
 
 

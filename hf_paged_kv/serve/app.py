@@ -5,9 +5,11 @@
     >>> uvicorn.run(app, port=8000)          # or: python -m hf_paged_kv.serve --model DIR
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (both with `stream: true` as
-server-sent events ending in `data: [DONE]`), `GET /v1/models`, `GET /metrics` (the engine's
-Prometheus text), `GET /health`. The engine runs in this process: the app starts it when it
-starts and stops it when it stops.
+server-sent events ending in `data: [DONE]`), `GET /v1/models`, `POST /tokenize` and
+`/detokenize` (vLLM's), `GET /version`, `GET /metrics` (the engine's Prometheus text),
+`GET /health`. With an API key, every route but the last three answers 401 without it. Every
+response carries `X-Request-Id` (the request's own, else a new one). The engine runs in this
+process: the app starts it when it starts and stops it when it stops.
 
 - `temperature: 0` is greedy; otherwise `temperature`, `top_p` sample, reproducibly with `seed`
   (any 64-bit integer). `presence_penalty` and `frequency_penalty` (-2..2, over the output so
@@ -34,9 +36,10 @@ starts and stops it when it stops.
   accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
   huge prompt does not stall the other streams.
-- The tenant of a request (whose cached KV it may reuse) is the `X-Tenant` header, else the
-  `user` field, else "default" (with its `cache_salt`, if any); `X-Priority` (an int) sets its
-  scheduling priority.
+- The tenant of a request (whose cached KV it may reuse) is "default", with its `cache_salt`
+  if any; where the operator trusts them (`trust_headers`, behind a proxy that sets them), the
+  `X-Tenant` header names it and `X-Priority` (an int) sets its scheduling priority. A client
+  never picks another's tenant by itself; `user` is OpenAI's end-user id and only that.
 - When the engine sheds load the answer is 429 with `Retry-After` (whole seconds, rounded up),
   also for a request turned away while it waited: a streamed answer's status line waits for the
   first token, so a request shed or failed before it gets its own status (429, 500); a failure
@@ -50,6 +53,7 @@ import asyncio
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
@@ -62,6 +66,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .. import __version__
 from ..arguments import is_unicode
 from ..engine.request import RequestFailed
 from ..errors import Overloaded, PagedKVError
@@ -170,6 +175,20 @@ class GenerationRequest(BaseModel):
     def max_tokens_field(self) -> str:
         """The field that set the completion's length, as errors about it name it."""
         return "max_tokens"
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's `/tokenize`: a prompt (with `add_special_tokens`) or chat messages (templated)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 class CompletionRequest(GenerationRequest):
@@ -454,8 +473,9 @@ class OpenAIServer:
     """The endpoints' work: prompts to token ids, OpenAI's parameters to the engine's, the
     engine's tokens to OpenAI's responses (whole or as server-sent events)."""
 
-    def __init__(self, engine, model_name: str, default_max_tokens: int | None = None):
+    def __init__(self, engine, model_name: str, default_max_tokens: int | None = None, trust_headers: bool = False):
         self.engine, self.model_name, self.tokenizer = engine, model_name, engine.tokenizer
+        self.trust_headers = trust_headers
         # what one request may hold: the model's context, or less where the engine serves less
         limits = [n for n in (getattr(engine.model.config, "max_position_embeddings", None), engine.max_model_len)
                   if n is not None]
@@ -623,17 +643,18 @@ class OpenAIServer:
                           "context_length_exceeded" if where == "context" else "kv_pool_too_small")
         return min(room, self.default_max_tokens) if self.default_max_tokens else room
 
-    @staticmethod
-    def who(request: Request, body: GenerationRequest) -> tuple[str, int]:
-        """The tenant (X-Tenant header, else `user`, else "default"; with a `cache_salt`, that
-        tenant and the salt together) and priority (X-Priority)."""
-        tenant = request.headers.get("x-tenant") or body.user or "default"
+    def who(self, request: Request, body: GenerationRequest) -> tuple[str, int]:
+        """The tenant and priority: the X-Tenant and X-Priority headers where the operator trusts
+        them (`trust_headers`: a proxy in front sets them), else "default" and 0; with a
+        `cache_salt`, that tenant and the salt together."""
+        headers = request.headers if self.trust_headers else {}
+        tenant = headers.get("x-tenant") or "default"
         if body.cache_salt is not None:
             if not body.cache_salt:
                 raise invalid("cache_salt must not be empty", "cache_salt")
             tenant = json.dumps([tenant, body.cache_salt])  # a name of its own: reuse only with the same salt
         try:
-            priority = int(request.headers.get("x-priority", "0"))
+            priority = int(headers.get("x-priority", "0"))
         except ValueError:
             raise invalid("the X-Priority header must be an integer", "X-Priority") from None
         return tenant, priority
@@ -812,11 +833,15 @@ def usage(prompts: list[list[int]], generations: list[Generation]) -> dict:
 
 
 # ------------------------------------------------------------------------------------ the app
-def create_app(engine, model_name: str, *, default_max_tokens: int | None = None) -> FastAPI:
+def create_app(engine, model_name: str, *, default_max_tokens: int | None = None, api_key: str | None = None,
+               trust_headers: bool = False) -> FastAPI:
     """The OpenAI-compatible app on `engine` (started and stopped with the app), serving
     `model_name`. `default_max_tokens` caps a chat completion without `max_tokens` (by default
-    it may fill the model's context, as OpenAI's does); completions default to 16, as OpenAI's."""
-    server = OpenAIServer(engine, model_name, default_max_tokens)
+    it may fill the model's context, as OpenAI's does); completions default to 16, as OpenAI's.
+    With `api_key`, every route but `/health`, `/metrics` and `/version` answers 401 without
+    `Authorization: Bearer <api_key>`. `trust_headers` takes each request's tenant and priority
+    from its X-Tenant and X-Priority headers: only behind a proxy that sets them."""
+    server = OpenAIServer(engine, model_name, default_max_tokens, trust_headers)
     ignored: set[str] = set()  # the unknown fields logged so far
 
     @asynccontextmanager
@@ -830,6 +855,9 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
     app = FastAPI(title="hf_paged_kv", lifespan=lifespan)
     app.state.engine, app.state.server = engine, server
     add_error_handlers(app)
+    if api_key:
+        require_api_key(app, api_key)
+    add_request_ids(app)  # added last, so outermost: a 401 carries its request id too
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
@@ -847,6 +875,32 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
         server.check_model(body.model)
         ids = await asyncio.to_thread(server.chat_prompt, body.messages)
         return await server.respond(request, body, [ids], ChatFormat(), server.chat_max_tokens(body, len(ids)), [[]])
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.model is not None:
+            server.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("send either prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = await asyncio.to_thread(server.chat_prompt, body.messages)
+        else:
+            ids = await asyncio.to_thread(server.tokenize, body.prompt, body.add_special_tokens)
+        return {"count": len(ids), "max_model_len": server.context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        if body.model is not None:
+            server.check_model(body.model)
+        server.check_vocabulary(body.tokens, "tokens")
+        if server.tokenizer is None:
+            raise invalid("this server has no tokenizer", "tokens")
+        with server.tokenizing:
+            return {"prompt": server.tokenizer.decode(body.tokens)}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/v1/models")
     async def models():
@@ -872,6 +926,34 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
 def model_card(server: OpenAIServer) -> dict:
     card = {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "hf_paged_kv"}
     return card | ({"max_model_len": server.context} if server.context is not None else {})
+
+
+UNAUTHENTICATED = ("/health", "/metrics", "/version")  # open with an API key too, as in vLLM
+
+
+def require_api_key(app: FastAPI, key: str) -> None:
+    """401, in OpenAI's shape, for a request without `Authorization: Bearer <key>` (compared in
+    constant time), on every route but `UNAUTHENTICATED`."""
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path not in UNAUTHENTICATED and not secrets.compare_digest(given, expected):
+            return APIError(401, "Incorrect API key provided: send it as 'Authorization: Bearer <key>'",
+                            code="invalid_api_key").response()
+        return await call_next(request)
+
+
+def add_request_ids(app: FastAPI) -> None:
+    """Every response carries an `X-Request-Id`: the request's own, else a new one."""
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        given = request.headers.get("x-request-id")
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = given if given and len(given) <= 256 else uuid.uuid4().hex
+        return response
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -3,7 +3,7 @@
     python -m hf_paged_kv.serve --model DIR [--port 8000] [--host 127.0.0.1]
         [--num-blocks N | --max-bytes B] [--block-size 16] [--max-num-batched-tokens 512]
         [--max-num-seqs 64] [--max-waiting 1024] [--max-model-len N] [--slo-ttft S --slo-tpot S]
-        [--dtype float32] [--device auto]
+        [--dtype float32] [--device auto] [--api-key KEY] [--trust-headers]
     hf-paged-kv-serve --model smollm2          # the packaged SmolLM2-135M-Instruct
 
 `DIR` is a directory written by `save_pretrained` (the model and its tokenizer); nothing is
@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 SMOLLM2 = "smollm2"
+API_KEY_ENV = "HF_PAGED_KV_API_KEY"  # where --api-key is read from when not given (vLLM reads VLLM_API_KEY)
 DTYPES = ("float32", "float16", "bfloat16", "auto")
 
 
@@ -56,6 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="max_tokens of a chat completion that gives none (default: the rest of the context)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype (the KV pool follows)")
     parser.add_argument("--device", default="auto", help="'auto' (cuda when present), 'cpu', 'cuda', 'cuda:1', ...")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                        help=f"clients must send 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}); /health, "
+                             "/metrics and /version stay open")
+    parser.add_argument("--trust-headers", action="store_true",
+                        help="take each request's tenant and priority from its X-Tenant and X-Priority headers "
+                             "(only behind a proxy that sets them: otherwise any client picks another's tenant)")
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     args = parser.parse_args(argv)
     for name in ("port", "num_blocks", "max_bytes", "block_size", "max_batch_tokens", "max_running", "max_waiting",
@@ -144,7 +151,8 @@ def build_app(args: argparse.Namespace):
     except (PagedKVError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)
-    return create_app(engine, name, default_max_tokens=args.default_max_tokens)
+    return create_app(engine, name, default_max_tokens=args.default_max_tokens, api_key=args.api_key,
+                      trust_headers=args.trust_headers)
 
 
 def main(argv: list[str] | None = None) -> None:
