@@ -111,3 +111,24 @@ def test_bad_sampling_parameters_are_refused_at_submit(kwargs, message):
             engine.submit([5, 6, 7], max_new_tokens=8, **kwargs)
         assert engine.stats()["requests_waiting"] == 0
     hf_paged_kv.disable(model)
+
+
+def test_logprobs_are_the_models_log_softmax_of_each_chosen_token(model):
+    prompt = prompts([11], seed=8)[0]
+    with Engine(model, pool=KVPool(num_blocks=32, block_size=8)) as engine:
+        handle = engine.submit(prompt, max_new_tokens=6, eos_token_id=[], logprobs=3, repetition_penalty=1.3)
+        tokens = handle.result(timeout=60)
+        plain = engine.submit(prompt, max_new_tokens=2, eos_token_id=[])
+        plain.result(timeout=60)
+    entries = handle.request.logprobs
+    assert len(entries) == len(tokens) == 6 and plain.request.logprobs == []
+    for i, (token, (logprob, top)) in enumerate(zip(tokens, entries)):
+        with torch.no_grad():
+            scores = model(torch.tensor([prompt + tokens[:i]])).logits[0, -1].float().log_softmax(-1)
+        assert logprob == pytest.approx(float(scores[token]), abs=1e-4)  # before the penalty: the model's own
+        best = scores.topk(3)
+        assert [t for t, _ in top] == best.indices.tolist()
+        assert [v for _, v in top] == pytest.approx(best.values.tolist(), abs=1e-4)
+    with Engine(model, pool=KVPool(num_blocks=16, block_size=8)) as engine:
+        with pytest.raises(ValueError, match="logprobs must be in \\[0, 20\\]"):
+            engine.submit(prompt, max_new_tokens=2, logprobs=21)

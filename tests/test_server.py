@@ -292,7 +292,7 @@ def test_models_metrics_and_health(served, client):
 def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client):
     url = served[1] + "/v1/completions"
     base = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
-    for extra, param in (({"n": 0}, "n"), ({"n": 65, "prompt": ["w05", "w06"]}, "n"), ({"logprobs": 1}, "logprobs"),
+    for extra, param in (({"n": 0}, "n"), ({"n": 65, "prompt": ["w05", "w06"]}, "n"), ({"logprobs": 21}, "logprobs"),
                          ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
                          ({"logit_bias": {"w05": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
                          ({"logit_bias": {"999": 1}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
@@ -471,6 +471,41 @@ def test_several_choices_stream_each_under_its_index(served):
                        json={k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}).json()
     assert text == {c["index"]: c["text"] for c in whole["choices"]} and finished == dict.fromkeys(range(4), "length")
     assert chunks[-1]["usage"]["completion_tokens"] == 16 and chunks[-1]["usage"]["prompt_tokens"] == 5
+
+
+
+def test_logprobs_in_chat_and_completions_whole_and_streamed(served, client):
+    engine, url = served
+    prompt = [51, 15, 64, 14]
+    handle = engine.submit(prompt, max_new_tokens=5, eos_token_id=[], logprobs=3)
+    tokens = handle.result(timeout=60)
+    expected = handle.request.logprobs  # the engine's, which test_sampling compares with a direct forward
+    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=3,
+                                       extra_body={"ignore_eos": True})
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [word(t) for t in tokens]
+    assert logprobs.token_logprobs == pytest.approx([lp for lp, _ in expected], abs=1e-6)
+    assert [list(top) for top in logprobs.top_logprobs] == [[word(t) for t, _ in top] for _, top in expected]
+    assert logprobs.text_offset == [3 * i for i in range(5)]  # "w51" is 3 characters
+    chat = [{"role": "user", "content": "w05 w06"}]
+    whole = client.chat.completions.create(model=NAME, messages=chat, max_tokens=4, temperature=0, logprobs=True,
+                                           top_logprobs=2, extra_body={"ignore_eos": True})
+    content = whole.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    assert all(c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)  # greedy: the top one
+    streamed = client.chat.completions.create(model=NAME, messages=chat, max_tokens=4, temperature=0, logprobs=True,
+                                              top_logprobs=2, stream=True, extra_body={"ignore_eos": True})
+    parts = [c for chunk in streamed for choice in chunk.choices if choice.logprobs
+             for c in choice.logprobs.content]
+    assert [(c.token, c.logprob) for c in parts] == [(c.token, c.logprob) for c in content]
+    plain = client.chat.completions.create(model=NAME, messages=chat, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    for body, param in (({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+                        ({"top_logprobs": 2}, "top_logprobs"), ({"logprobs": 1}, "logprobs")):
+        answer = httpx.post(url + "/v1/chat/completions",
+                            json={"model": NAME, "messages": chat, "max_tokens": 2} | body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "logprobs": 21}).status_code == 400
 
 
 def test_errors_name_the_field_at_fault(served):
@@ -717,7 +752,7 @@ class ScriptedHandle:
 
     def __init__(self, tokens, error=None):
         self.tokens, self.error, self.done, self.cancelled = tokens, error, False, False
-        self.outcome = None
+        self.outcome, self.request = None, SimpleNamespace(inherited=0)
 
     async def astream(self):
         for token in self.tokens:

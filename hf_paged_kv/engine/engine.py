@@ -145,7 +145,7 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, eos_token_id=None, tenant: str = "default", priority: int = 0,
                seed: int | None = None, *, min_p: float = 0.0, repetition_penalty: float = 1.0,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
-               min_tokens: int = 0) -> RequestHandle:
+               min_tokens: int = 0, logprobs: int | None = None) -> RequestHandle:
         """Queue a request (text or token ids) and return its handle at once. Thread-safe.
         Raises `Overloaded` (with `retry_after`) when the engine sheds load. The sampling
         arguments are `SamplingParams`' (`logit_bias`: a mapping of token id to bias).
@@ -160,7 +160,8 @@ class Engine:
         ids = _prompt_ids(prompt, self.tokenizer, vocabulary)
         eos = self.eos if eos_token_id is None else tuple(_as_list(eos_token_id, vocabulary))
         params = SamplingParams(max_new_tokens, do_sample, temperature, top_p, top_k, eos, seed, min_p,
-                                repetition_penalty, presence_penalty, frequency_penalty, logit_bias or (), min_tokens)
+                                repetition_penalty, presence_penalty, frequency_penalty, logit_bias or (), min_tokens,
+                                logprobs)
         outside = [token for token, _ in params.logit_bias if not 0 <= token < vocabulary]
         if outside:
             raise ValueError(f"logit_bias names tokens outside the model's vocabulary of {vocabulary}: {outside[:5]}")

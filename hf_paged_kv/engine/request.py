@@ -27,6 +27,7 @@ from ..cache.sequence import Sequence
 from ..errors import PagedKVError
 
 _ids = itertools.count(1)
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs and vLLM's default bound
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,9 @@ class SamplingParams:
     - `logit_bias`: `(token, bias)` pairs added to those tokens' scores (OpenAI's, -100..100 there).
     - `min_tokens`: the end tokens (`eos_token_id`) cannot be chosen before this many are generated.
     - `min_p`: sampling keeps the tokens whose probability is at least `min_p` times the top one's.
+    - `logprobs`: with k (0 to `MAX_LOGPROBS`), each generated token comes with its log-probability
+      and the k likeliest tokens' (`Request.logprobs`): the model's own log-softmax, before any
+      penalty, bias or temperature; None: none.
     """
 
     max_new_tokens: int = 64
@@ -57,6 +61,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         for name in ("max_new_tokens", "top_k", "min_tokens"):
@@ -85,6 +90,10 @@ class SamplingParams:
                                                      for token, value in bias.items()))
         if not all(math.isfinite(value) for _, value in self.logit_bias):
             raise ValueError("logit_bias values must be finite numbers")
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", arguments.integer("logprobs", self.logprobs))
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] (or None), got {self.logprobs}")
         if not 0 <= self.min_tokens <= self.max_new_tokens:
             raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
 
@@ -180,6 +189,9 @@ class Request:
     outcome: str | None = None  # "finished", "cancelled", "failed", "rejected"
     cancel_requested: str | None = None  # the outcome asked for: "cancelled", or "finished" early
     preemptions: int = 0
+    # per generated token, with `params.logprobs`: (its log-probability, [(token, log-probability)
+    # of the likeliest `params.logprobs`]), set before the token reaches the stream
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
     inherited: int = 0  # tokens whose KV the last admission found cached (after a preemption: generated ones too)
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again

@@ -62,9 +62,17 @@ def warpers(request: Request) -> LogitsProcessorList:
     return chain
 
 
+def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The model's log-probability of `token` and the `top` likeliest tokens' (a row's raw scores)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, tokens = logprobs.topk(top) if top else (logprobs[:0], logprobs[:0])
+    return float(logprobs[token]), list(zip(map(int, tokens.tolist()), values.tolist()))
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exception]:
     """One token per row of `logits` `[rows, vocab]` (row i belongs to requests[i]), or the error
-    that sampling that row raised (it fails only its own request)."""
+    that sampling that row raised (it fails only its own request). A request that asks for
+    log-probabilities gets them appended to its `logprobs`, one entry per token chosen."""
     chosen: list[int | Exception] = logits.argmax(dim=-1).tolist()
     broken = (torch.isnan(logits) | torch.isposinf(logits)).any(dim=-1).tolist()  # -inf: an impossible token
     for row, request in enumerate(requests):
@@ -88,4 +96,7 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
             chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator_on(probabilities.device)))
         except Exception as error:  # noqa: BLE001 - reported to that request alone
             chosen[row] = error
+    for row, request in enumerate(requests):
+        if request.params.logprobs is not None and not isinstance(chosen[row], Exception):
+            request.logprobs.append(logprobs_of(logits[row], chosen[row], request.params.logprobs))
     return chosen

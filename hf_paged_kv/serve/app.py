@@ -30,8 +30,10 @@ process: the app starts it when it starts and stops it when it stops.
   each choice, or of each chunk's text), `cache_salt` (requests reuse each other's cached
   prefixes only when their salts, and tenants, are equal) and
   `stream_options.continuous_usage_stats` (every chunk carries the usage so far).
-- A field of OpenAI's API this server does not implement (`logprobs`, `tools`,
-  `response_format`, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
+- Log-probabilities: chat `logprobs`/`top_logprobs`, completions `logprobs` (up to 20
+  alternatives): the model's own log-softmax, before penalties, bias and temperature.
+- A field of OpenAI's API this server does not implement (`echo`, `tools`, `response_format`,
+  ...) is refused with a 400 in OpenAI's error shape, unless it carries its
   neutral value, as many clients send those by default. A field it does not know at all is
   accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
@@ -58,6 +60,7 @@ import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
@@ -68,7 +71,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..arguments import is_unicode
-from ..engine.request import RequestFailed
+from ..engine.request import MAX_LOGPROBS, RequestFailed
 from ..errors import Overloaded, PagedKVError
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -86,10 +89,10 @@ log = logging.getLogger("hf_paged_kv.serve")
 # Fields of OpenAI's API this server does not implement, with the values that mean "off": a
 # client sends their neutral values by default. Any other field it does not know is ignored.
 NEUTRAL_COMMON = {"service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY}
-NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False), "logprobs": (None,),
+NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False),
                                        "suffix": (None, "")}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
-    "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
     "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
@@ -176,6 +179,11 @@ class GenerationRequest(BaseModel):
         """The field that set the completion's length, as errors about it name it."""
         return "max_tokens"
 
+    def alternatives(self) -> tuple[int | None, str]:
+        """How many likeliest tokens to show beside each token's log-probability (None: no
+        log-probabilities), and the field that asked."""
+        return None, "logprobs"
+
 
 class TokenizeRequest(BaseModel):
     """vLLM's `/tokenize`: a prompt (with `add_special_tokens`) or chat messages (templated)."""
@@ -193,12 +201,23 @@ class DetokenizeRequest(BaseModel):
 
 class CompletionRequest(GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    logprobs: StrictInt | None = None
+
+    def alternatives(self) -> tuple[int | None, str]:
+        return self.logprobs, "logprobs"
 
 
 class ChatRequest(GenerationRequest):
     prompt_field: ClassVar[str] = "messages"
     messages: list[dict[str, Any]]
     max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+
+    def alternatives(self) -> tuple[int | None, str]:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        return ((self.top_logprobs or 0) if self.logprobs else None), "top_logprobs"
 
     def max_tokens_field(self) -> str:
         return "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
@@ -316,13 +335,17 @@ class Generation:
     """One request's tokens as text pieces, its finish reason, and its cancellation when the
     reader goes away (a disconnected client) or a stop string ends it early."""
 
-    def __init__(self, index: int, handle, detokenizer: Detokenizer, stops: StopMatcher, eos: set[int]):
+    def __init__(self, index: int, handle, detokenizer: Detokenizer, stops: StopMatcher, eos: set[int],
+                 logprobs: bool = False):
         self.index, self.handle, self.detokenizer, self.stops, self.eos = index, handle, detokenizer, stops, eos
+        self.logprobs = logprobs  # whether its tokens' log-probabilities are shown
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.chars = 0  # text of the tokens whose log-probabilities were shown (their offsets)
 
     async def pieces(self):
-        """Yields `(text, token ids)` as the text becomes final; sets `finish_reason` at the end."""
+        """Yields `(text, token ids, the first one's position in tokens)` as the text becomes final;
+        sets `finish_reason` at the end."""
         stream, ids, stopped = self.handle.astream(), [], False
         try:
             async for token in stream:
@@ -334,7 +357,7 @@ class Generation:
                 if stopped:
                     break
                 if text:
-                    yield text, ids
+                    yield text, ids, len(self.tokens) - len(ids)
                     ids = []
         except Overloaded as error:  # shed while it waited (the load controller turned it away)
             raise rate_limited(error) from error
@@ -349,7 +372,7 @@ class Generation:
             text += "" if stopped else self.stops.flush()
         self.finish_reason = "stop" if stopped else self.reason()
         if text or ids:
-            yield text, ids
+            yield text, ids, len(self.tokens) - len(ids)
 
     def reason(self) -> str:
         if self.handle.outcome != "finished":
@@ -358,35 +381,62 @@ class Generation:
 
 
 # ------------------------------------------------------------------------- response formats
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability, as the formats show it."""
+
+    text: str
+    logprob: float
+    top: list[tuple[str, float]]  # the likeliest tokens' text and log-probability
+    offset: int  # where its text starts in the completion (the completions API's text_offset)
+
+
 class TextFormat:
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
     def start(self, index: int) -> dict | None:
         return None
 
-    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        return self.final(index, text, finish, ids)
+    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
+        return self.final(index, text, finish, ids, logprobs)
 
-    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
+        choice = {"index": index, "text": text, "logprobs": None if logprobs is None else self.logprobs(logprobs),
+                  "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
+
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob]) -> dict:
+        """The completions API's shape: parallel lists, and each token's offset in the text."""
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text: logprob for text, logprob in e.top} for e in entries],
+                "text_offset": [e.offset for e in entries]}
 
 
 class ChatFormat:
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
+    @staticmethod
+    def logprobs(entries: list[TokenLogprob]) -> dict:
+        """The chat API's shape: per token its text, UTF-8 bytes, log-probability and alternatives."""
+        def one(text: str, logprob: float) -> dict:
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return {"content": [one(e.text, e.logprob) | {"top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+
     def start(self, index: int) -> dict | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                 "finish_reason": None}
 
-    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": index, "delta": {"content": text} if text or not finish else {}, "logprobs": None,
-                  "finish_reason": finish}
+    def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
+        choice = {"index": index, "delta": {"content": text} if text or not finish else {},
+                  "logprobs": None if logprobs is None else self.logprobs(logprobs), "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
-    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish}
+    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
+        choice = {"index": index, "message": {"role": "assistant", "content": text},
+                  "logprobs": None if logprobs is None else self.logprobs(logprobs), "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
 
@@ -457,7 +507,7 @@ async def each(generations: list[Generation], work) -> list:
     return [task.result() for task in tasks]
 
 
-async def first_piece(pieces) -> tuple[str, list[int]] | None:
+async def first_piece(pieces) -> tuple[str, list[int], int] | None:
     try:
         return await pieces.__anext__()
     except StopAsyncIteration:
@@ -465,7 +515,7 @@ async def first_piece(pieces) -> tuple[str, list[int]] | None:
 
 
 async def collect(generation: Generation) -> str:
-    return "".join([text async for text, _ in generation.pieces()])
+    return "".join([text async for text, *_ in generation.pieces()])
 
 
 # ------------------------------------------------------------------------------- the endpoints
@@ -578,8 +628,28 @@ class OpenAIServer:
         if not 0 <= min_tokens <= max_tokens:
             raise invalid(f"min_tokens must be in [0, {body.max_tokens_field()}={max_tokens}], got {min_tokens}",
                           "min_tokens")
+        alternatives, field = body.alternatives()
+        if alternatives is not None and not 0 <= alternatives <= MAX_LOGPROBS:
+            raise invalid(f"{field} must be in [0, {MAX_LOGPROBS}], got {alternatives}", field)
         return found | dict(repetition_penalty=repetition, min_p=min_p, min_tokens=min_tokens,
-                            logit_bias=self.logit_bias(body.logit_bias or {}))
+                            logit_bias=self.logit_bias(body.logit_bias or {}), logprobs=alternatives)
+
+    def token_logprobs(self, generation: Generation, start: int, count: int) -> list[TokenLogprob] | None:
+        """The log-probabilities of `count` tokens from `start` of a choice that asked for them."""
+        if not generation.logprobs:
+            return None
+        request, entries = generation.handle.request, []
+        for position in range(start, start + count):
+            logprob, top = request.logprobs[position]
+            text = self.token_text(generation.tokens[position])
+            entries.append(TokenLogprob(text, logprob, [(self.token_text(t), value) for t, value in top],
+                                        generation.chars))
+            generation.chars += len(text)
+        return entries
+
+    def token_text(self, token: int) -> str:
+        """A token as the log-probabilities name it: its text, or `token_id:N` without a tokenizer."""
+        return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
 
     def logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
         """OpenAI's `logit_bias`: token ids (as JSON keys, so text) to biases in [-100, 100]."""
@@ -695,7 +765,8 @@ class OpenAIServer:
                     generations.append(Generation(
                         len(generations), self.submit(ids, seeded, tenant, priority),
                         Detokenizer(self.tokenizer, context, body.skip_special_tokens is not False),
-                        StopMatcher(stops, bool(body.include_stop_str_in_output)), set(params["eos_token_id"])))
+                        StopMatcher(stops, bool(body.include_stop_str_in_output)), set(params["eos_token_id"]),
+                        params["logprobs"] is not None))
         except APIError:
             cancel(g.handle for g in generations)
             raise
@@ -722,7 +793,8 @@ class OpenAIServer:
         with_ids = bool(body.return_token_ids)
         choices = []
         for g, text in zip(generations, texts):
-            choice = fmt.final(g.index, text, g.finish_reason, g.tokens if with_ids else None)
+            choice = fmt.final(g.index, text, g.finish_reason, g.tokens if with_ids else None,
+                               self.token_logprobs(g, 0, len(g.tokens)))
             if with_ids and len(prompts) > 1:
                 choice["prompt_token_ids"] = prompts[g.index // per_prompt]
             choices.append(choice)
@@ -749,11 +821,11 @@ class OpenAIServer:
 
         async def pump(generation: Generation, stream) -> None:
             try:
-                async for text, ids in stream:
-                    await pieces.put((generation, text, ids))
-                await pieces.put((generation, None, None))
+                async for text, ids, at in stream:
+                    await pieces.put((generation, text, ids, at))
+                await pieces.put((generation, None, None, 0))
             except Exception as error:  # noqa: BLE001 - told to the client below
-                await pieces.put((generation, error, None))
+                await pieces.put((generation, error, None, 0))
 
         pumps = []
         try:
@@ -761,16 +833,19 @@ class OpenAIServer:
                 if (start := fmt.start(g.index)) is not None:
                     yield chunk([start])
                 if first is not None:
-                    yield chunk([fmt.delta(g.index, first[0], None, first[1] if with_ids else None)])
+                    text, ids, at = first
+                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
+                                           self.token_logprobs(g, at, len(ids)))])
             pumps = [asyncio.ensure_future(pump(g, stream)) for g, stream in zip(generations, streams)]
             for _ in generations:  # until every choice has finished
                 while True:
-                    g, text, ids = await pieces.get()
+                    g, text, ids, at = await pieces.get()
                     if isinstance(text, Exception):
                         raise text
                     if text is None:
                         break
-                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None)])
+                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
+                                           self.token_logprobs(g, at, len(ids)))])
                 yield chunk([fmt.delta(g.index, "", g.finish_reason, [] if with_ids else None)])
             if want_usage:
                 yield chunk([], usage=usage(prompts, generations))
