@@ -289,6 +289,49 @@ def test_models_metrics_and_health(served, client):
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+
+def test_metrics_under_vllms_names_for_a_vllm_dashboard():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hf_paged_kv.engine import EngineConfig
+
+    model = make_model("llama", seed=11)
+    engine = Engine(model, tokenizer=word_tokenizer(), pool=KVPool(num_blocks=64, block_size=8),
+                    config=EngineConfig(served_model_name=NAME))
+    shared = list(range(10, 35))  # three full blocks, sent twice
+    with serving(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        answers = [client.completions.create(model=NAME, prompt=EOS_PROMPT, max_tokens=30, temperature=0)]
+        answers += [client.completions.create(model=NAME, prompt=shared, max_tokens=3, temperature=0,
+                                              extra_body={"ignore_eos": True}) for _ in range(2)]
+        assert [a.choices[0].finish_reason for a in answers] == ["stop", "length", "length"]
+        handle = engine.submit([5, 6, 7], max_new_tokens=500, eos_token_id=[])
+        next(iter(handle.stream()))  # admitted and generating
+        handle.cancel()
+        handle.result(timeout=30)
+        assert handle.outcome == "cancelled"
+        text = httpx.get(url + "/metrics").text
+    hf_paged_kv.disable(model)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    label = (("model_name", NAME),)
+
+    def value(name, **labels):
+        return samples[name, tuple(sorted({**dict(label), **labels}.items()))]
+
+    assert value("vllm:request_success_total", finished_reason="stop") == 1
+    assert value("vllm:request_success_total", finished_reason="length") == 2
+    assert value("vllm:request_success_total", finished_reason="abort") == 1
+    stats = engine.stats()
+    assert value("vllm:generation_tokens_total") == stats["tokens_generated"]
+    assert value("vllm:prompt_tokens_total") == value("vllm:prefix_cache_queries_total") == len(EOS_PROMPT) + 2 * 25 + 3
+    assert value("vllm:prefix_cache_hits_total") == 24  # the second of the shared prompts: three blocks
+    assert value("vllm:time_to_first_token_seconds_count") == 4 and value("vllm:e2e_request_latency_seconds_count") == 3
+    assert value("vllm:request_generation_tokens_sum") == sum(a.usage.completion_tokens for a in answers)
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert (gauge, label) in samples, gauge
+
+
 def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client):
     url = served[1] + "/v1/completions"
     base = {"model": NAME, "prompt": "w05 w06", "max_tokens": 2}
@@ -875,7 +918,8 @@ def test_serve_takes_vllms_flag_names_and_slo_targets(tmp_path, capsys):
                              "64", "--max-model-len", "100", "--slo-ttft", "1.5", "--slo-tpot", "0.2",
                              "--num-blocks", "32", "--device", "cpu"])
     assert serve.engine_config(args) == hf_paged_kv.EngineConfig(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100, slo=hf_paged_kv.SLO(ttft=1.5, per_token=0.2))
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=100, slo=hf_paged_kv.SLO(ttft=1.5, per_token=0.2),
+        served_model_name="tiny")
     app = serve.build_app(args)
     engine = app.state.engine
     assert (engine.limits.max_running, engine.limits.max_batch_tokens, engine.max_model_len) == (4, 64, 100)

@@ -48,6 +48,8 @@ class EngineConfig:
             adapts to load against them (and may shed); None: nothing is shed or paced.
         backend: attention backend when the engine enables the model: "torch", "triton", or
             "auto" (Triton on CUDA, torch otherwise). Default "auto".
+        served_model_name: the `model_name` label of the vLLM-named metrics
+            (`--served-model-name`); None: the model's `name_or_path`, or "model".
     """
 
     max_num_seqs: int = 64
@@ -56,6 +58,7 @@ class EngineConfig:
     max_model_len: int | None = None
     slo: SLO | None = None
     backend: str = "auto"
+    served_model_name: str | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_waiting", "max_model_len"):

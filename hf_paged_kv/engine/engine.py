@@ -90,7 +90,7 @@ class Engine:
                                                             max_batch_tokens=config.max_num_batched_tokens,
                                                             max_waiting=config.max_waiting)
         self.scheduler = Scheduler(self.pool, self.limits)
-        self.metrics = EngineMetrics()
+        self.metrics = EngineMetrics(config.served_model_name or getattr(model, "name_or_path", "") or "model")
         self.load = LoadControl(self.limits, self.scheduler, self.pool, self.metrics,
                                 config.slo is not None if controller is None else controller, config.slo, thresholds)
         self.outcomes = Outcomes(self.scheduler, self.metrics, self.load)

@@ -2,6 +2,10 @@
 `prometheus_client` (one registry per engine), updated together.
 
     >>> print(engine.prometheus())       # text exposition format, also served at /metrics
+
+The project's own metrics are named `hf_paged_kv_*`. Where a figure means what one of vLLM's
+does, it is also exported under vLLM's name and labels (`vllm:*`, labelled `model_name`), so
+that the dashboards and alerts people have for vLLM read this server too.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ COUNTERS = (*(f"requests_{outcome}" for outcome in OUTCOMES), "preemptions",
 
 
 class EngineMetrics:
-    def __init__(self):
+    def __init__(self, model_name: str = "model"):
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.lock = threading.Lock()  # a refusal counts on the client's thread, the rest on the engine's
         self.registry = registry = CollectorRegistry()
+        self.vllm = VLLMMetrics(registry, model_name)
 
         def gauge(name, doc, labels=()):
             return Gauge(f"hf_paged_kv_{name}", doc, labels, registry=registry)
@@ -78,10 +83,12 @@ class EngineMetrics:
         self.requests.labels(outcome).inc()
         if outcome == "finished":
             self.e2e.observe(request.finished - request.arrived)
+        self.vllm.ended(request, outcome)
 
     def admitted(self, request) -> None:
         """A request's first admission (a preempted one coming back waited once)."""
         self.queue.observe(request.admitted - request.arrived)
+        self.vllm.admitted(request)
 
     def inherited(self, tokens: int) -> None:
         """Prompt tokens an admission inherited that no forward of the request computed."""
@@ -94,8 +101,11 @@ class EngineMetrics:
         self.generated.inc()
         if request.first_token is None:
             self.ttft.observe(now - request.arrived)
+            self.vllm.ttft.observe(now - request.arrived)
         else:
             self.itl.observe(now - request.last_token)
+            self.vllm.itl.observe(now - request.last_token)
+        self.vllm.generation_tokens.inc()
 
     def forward(self, batch, first: int, again: int, running: int) -> None:
         """A forward of `batch` ((request, tokens) rows) that ran: `first` prompt tokens computed
@@ -122,6 +132,7 @@ class EngineMetrics:
     def preempted(self, mode: str) -> None:
         self.count("preemptions")
         self.preemptions.labels(mode).inc()
+        self.vllm.preemptions.inc()
 
     # ----------------------------------------------------------- levels
     def observe(self, stats: dict) -> None:
@@ -129,6 +140,7 @@ class EngineMetrics:
         self.running.set(stats["requests_running"])
         self.waiting.set(stats["requests_waiting"])
         self.kv_usage.set(stats["blocks_used"] / max(stats["num_blocks"], 1))
+        self.vllm.observe(stats)
         for state in ("free", "used", "cached"):
             self.blocks.labels(state).set(stats[f"blocks_{state}"])
         self.host_blocks.set(stats.get("host_blocks_used", 0))
@@ -138,3 +150,73 @@ class EngineMetrics:
 
     def text(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class VLLMMetrics:
+    """The figures that mean what vLLM's do, under vLLM's names, labelled `model_name`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        label = {"model_name": model_name}
+
+        def labelled(kind, name, doc, **options):
+            return kind(f"vllm:{name}", doc, ["model_name"], registry=registry, **options).labels(**label)
+
+        self.running = labelled(Gauge, "num_requests_running", "Requests running (a sequence in the pool)")
+        self.waiting = labelled(Gauge, "num_requests_waiting", "Requests waiting for admission")
+        self.kv_usage = labelled(Gauge, "kv_cache_usage_perc", "KV-cache usage: 1 is full")
+        self.prefix_queries = labelled(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_hits = labelled(Counter, "prefix_cache_hits", "Prompt tokens the prefix cache held")
+        self.prompt_tokens = labelled(Counter, "prompt_tokens", "Prompt tokens of the requests admitted")
+        self.generation_tokens = labelled(Counter, "generation_tokens", "Tokens generated")
+        self.preemptions = labelled(Counter, "num_preemptions", "Preemptions")
+        self.success = Counter("vllm:request_success", "Requests that ended, by finish reason",
+                               ["model_name", "finished_reason"], registry=registry)
+        self.reasons = {reason: self.success.labels(model_name, reason) for reason in ("stop", "length", "abort")}
+        self.ttft = labelled(Histogram, "time_to_first_token_seconds", "Submission to first token",
+                             buckets=LATENCY_BUCKETS)
+        self.itl = labelled(Histogram, "inter_token_latency_seconds", "Between consecutive tokens",
+                            buckets=LATENCY_BUCKETS)
+        self.e2e = labelled(Histogram, "e2e_request_latency_seconds", "Submission to end", buckets=LATENCY_BUCKETS)
+        self.queue = labelled(Histogram, "request_queue_time_seconds", "Submission to admission",
+                              buckets=LATENCY_BUCKETS)
+        self.prompt_lengths = labelled(Histogram, "request_prompt_tokens", "Prompt tokens per request",
+                                       buckets=SIZE_BUCKETS)
+        self.generation_lengths = labelled(Histogram, "request_generation_tokens", "Generated tokens per request",
+                                           buckets=SIZE_BUCKETS)
+
+    def admitted(self, request) -> None:
+        """A request's first admission: its prompt, and how much of it the prefix cache held."""
+        self.queue.observe(request.admitted - request.arrived)
+        self.prompt_tokens.inc(len(request.prompt))
+        self.prefix_queries.inc(len(request.prompt))
+        self.prefix_hits.inc(min(request.inherited, len(request.prompt)))
+
+    def ended(self, request, outcome: str) -> None:
+        """vLLM counts the requests that finish by stop, length or abort; failed and rejected
+        ones are not successes."""
+        reason = finish_reason(request, outcome)
+        if reason is None:
+            return
+        self.reasons[reason].inc()
+        if reason != "abort":
+            self.e2e.observe(request.finished - request.arrived)
+            self.prompt_lengths.observe(len(request.prompt))
+            self.generation_lengths.observe(len(request.generated))
+
+    def observe(self, stats: dict) -> None:
+        self.running.set(stats["requests_running"])
+        self.waiting.set(stats["requests_waiting"])
+        self.kv_usage.set(stats["blocks_used"] / max(stats["num_blocks"], 1))
+
+
+def finish_reason(request, outcome: str) -> str | None:
+    """vLLM's `finished_reason` of a request that ended with `outcome`: "stop" (an end token, or
+    its reader stopping it at a stop string), "length", "abort" (cancelled); None otherwise."""
+    if outcome == "cancelled":
+        return "abort"
+    if outcome != "finished":
+        return None
+    params, generated = request.params, request.generated
+    if generated and generated[-1] in params.eos_token_id or request.cancel_requested == "finished":
+        return "stop"
+    return "length"

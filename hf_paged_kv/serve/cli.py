@@ -130,12 +130,18 @@ def smollm2_directory() -> Path:
 
 
 def engine_config(args: argparse.Namespace):
-    """The flags' `EngineConfig`, one flag per field."""
+    """The flags' `EngineConfig`, one flag per field (the served name labels the vLLM metrics)."""
     from hf_paged_kv import SLO, EngineConfig
 
     slo = None if args.slo_ttft is None else SLO(ttft=args.slo_ttft, per_token=args.slo_tpot)
     return EngineConfig(max_num_seqs=args.max_running, max_num_batched_tokens=args.max_batch_tokens,
-                        max_waiting=args.max_waiting, max_model_len=args.max_model_len, slo=slo)
+                        max_waiting=args.max_waiting, max_model_len=args.max_model_len, slo=slo,
+                        served_model_name=served_name(args))
+
+
+def served_name(args: argparse.Namespace) -> str:
+    """The model name clients send: `--served-model-name`, else the directory's name."""
+    return args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)
 
 
 def build_app(args: argparse.Namespace):
@@ -150,8 +156,7 @@ def build_app(args: argparse.Namespace):
         engine = Engine(model, tokenizer=tokenizer, pool=pool, config=engine_config(args))
     except (PagedKVError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
-    name = args.served_model_name or (SMOLLM2 if args.model == SMOLLM2 else Path(args.model).resolve().name)
-    return create_app(engine, name, default_max_tokens=args.default_max_tokens, api_key=args.api_key,
+    return create_app(engine, served_name(args), default_max_tokens=args.default_max_tokens, api_key=args.api_key,
                       trust_headers=args.trust_headers)
 
 
