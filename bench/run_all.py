@@ -69,6 +69,7 @@ R1 = ("--quick", "--repeats", "1")
 PLAN = [
     Step("paging", "bench_paging.py", ("bench_paging",), ("--repeats", "3"), (*R1, "--new-tokens", "16")),
     Step("decode", "bench_decode.py", ("bench_decode",), (), (*R1, "--steps", "4")),
+    Step("grammar", "bench_grammar.py", ("bench_grammar",), (), R1),
     Step("reuse", "bench_reuse.py", ("bench_reuse",), (), (*R1, "--questions", "8")),
     Step("reuse_support_1500", "bench_reuse.py", ("bench_reuse_support_1500",),
          ("--support-only", "--system-tokens", "1500"),
