@@ -35,6 +35,7 @@ from ..pool import Advice, KVPool, advise_block_size
 from . import openmp, runner
 from .config import EngineConfig, Limits
 from .controller import Thresholds
+from .grammar import Constraint, Grammars
 from .load import LoadControl
 from .metrics import EngineMetrics
 from .outcomes import Outcomes
@@ -101,6 +102,7 @@ class Engine:
         self.accepting, self.draining = False, True
         self.eos = tuple(_as_list(model.generation_config.eos_token_id))
         self.max_model_len, self.length_limit = _max_model_len(model, config.max_model_len)
+        self.grammars = Grammars(tokenizer, model.get_input_embeddings().num_embeddings)
 
     # ------------------------------------------------------------ lifecycle
     def start(self) -> "Engine":
@@ -145,10 +147,14 @@ class Engine:
                top_p: float = 1.0, top_k: int = 0, eos_token_id=None, tenant: str = "default", priority: int = 0,
                seed: int | None = None, *, min_p: float = 0.0, repetition_penalty: float = 1.0,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias=None,
-               min_tokens: int = 0, logprobs: int | None = None) -> RequestHandle:
+               min_tokens: int = 0, logprobs: int | None = None, json_schema: dict | str | bool | None = None,
+               strict: bool = True) -> RequestHandle:
         """Queue a request (text or token ids) and return its handle at once. Thread-safe.
         Raises `Overloaded` (with `retry_after`) when the engine sheds load. The sampling
-        arguments are `SamplingParams`' (`logit_bias`: a mapping of token id to bias).
+        arguments are `SamplingParams`' (`logit_bias`: a mapping of token id to bias). `json_schema`
+        holds the output to a JSON schema (a dict or JSON text; True: any JSON value; `strict`:
+        no properties beyond the schema's), see `grammar`; a schema that cannot be compiled is a
+        `GrammarError` (a ValueError).
 
             engine.submit("Hello", max_new_tokens=32, repetition_penalty=1.2, logit_bias={13: -100})
         """
@@ -169,7 +175,10 @@ class Engine:
         if limit is not None and len(ids) + params.max_new_tokens > limit:  # the last token is never fed
             raise ValueError(f"{len(ids)} prompt tokens + max_new_tokens={params.max_new_tokens} pass max_model_len="
                              f"{limit}: {self.length_limit}")
-        request = Request(ids, params, tenant=tenant, priority=priority)
+        constraint = None
+        if json_schema is not None and json_schema is not False:
+            constraint = Constraint(self.grammars.compile(json_schema, strict), params.eos_token_id, vocabulary)
+        request = Request(ids, params, tenant=tenant, priority=priority, constraint=constraint)
         with self.gate:  # refused or queued at once: the queue cannot pass max_waiting, nor stop() lose it
             if not self.accepting:
                 raise PagedKVError("the engine stopped while the request was being submitted")

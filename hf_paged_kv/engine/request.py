@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -195,6 +196,7 @@ class Request:
     inherited: int = 0  # tokens whose KV the last admission found cached (after a preemption: generated ones too)
     computed: int = 0  # leading tokens of `tokens()` stored in the sequence
     reached: int = 0  # the most ever stored: after a preemption, tokens up to here are computed again
+    constraint: Any = None  # structured output: the grammar's matcher (engine.grammar.Constraint)
     swapped: tuple | None = None  # while preempted: (weights' fingerprint, tokens, its partial block's K/V on the host)
 
     def __post_init__(self):

@@ -69,6 +69,16 @@ def logprobs_of(logits: torch.Tensor, token: int, top: int) -> tuple[float, list
     return float(logprobs[token]), list(zip(map(int, tokens.tolist()), values.tolist()))
 
 
+def choose(request: Request, scores: torch.Tensor) -> int:
+    """The argmax of a greedy row's `scores` `[1, vocab]`, a draw from a sampling row's warped ones."""
+    if not request.params.do_sample:
+        return int(scores.argmax(dim=-1))
+    probabilities = torch.softmax(warpers(request)(None, scores), dim=-1)
+    if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:
+        return int(scores.argmax(dim=-1))  # sampling's limit as the temperature goes to 0
+    return int(torch.multinomial(probabilities, 1, generator=request.generator_on(probabilities.device)))
+
+
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exception]:
     """One token per row of `logits` `[rows, vocab]` (row i belongs to requests[i]), or the error
     that sampling that row raised (it fails only its own request). A request that asks for
@@ -79,21 +89,18 @@ def sample(logits: torch.Tensor, requests: list[Request]) -> list[int | Exceptio
         if broken[row]:  # greedy or not: the argmax of NaNs is no answer
             chosen[row] = ValueError("the model's scores for this row are NaN or +inf")
             continue
-        params = request.params
-        if not (params.do_sample or processes(params)):
+        params, constraint = request.params, request.constraint
+        if not (params.do_sample or processes(params) or constraint is not None):
             continue
         try:
             scores = logits[row : row + 1].float()
             if processes(params):
                 scores = processed(request, scores)
-            if not params.do_sample:
-                chosen[row] = int(scores.argmax(dim=-1))
-                continue
-            probabilities = torch.softmax(warpers(request)(None, scores), dim=-1)
-            if not torch.isfinite(probabilities).all():  # a temperature so small that the scores overflow:
-                chosen[row] = int(scores.argmax(dim=-1))  # sampling's limit as the temperature goes to 0
-                continue
-            chosen[row] = int(torch.multinomial(probabilities, 1, generator=request.generator_on(probabilities.device)))
+            if constraint is not None:  # the grammar's mask: after the penalties, before the choice
+                scores = constraint.masked(scores)
+            chosen[row] = token = choose(request, scores)
+            if constraint is not None:
+                constraint.accept(token)
         except Exception as error:  # noqa: BLE001 - reported to that request alone
             chosen[row] = error
     for row, request in enumerate(requests):

@@ -32,8 +32,9 @@ process: the app starts it when it starts and stops it when it stops.
   `stream_options.continuous_usage_stats` (every chunk carries the usage so far).
 - Log-probabilities: chat `logprobs`/`top_logprobs`, completions `logprobs` (up to 20
   alternatives): the model's own log-softmax, before penalties, bias and temperature.
-- A field of OpenAI's API this server does not implement (`echo`, `tools`, `response_format`,
-  ...) is refused with a 400 in OpenAI's error shape, unless it carries its
+- `response_format`: `json_object` or `json_schema` (see `engine.grammar`): the output is held to
+  it while it is sampled; a schema that cannot be compiled is a 400.
+- A field of OpenAI's API this server does not implement (`echo`, `tools`, `best_of` > 1, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
   neutral value, as many clients send those by default. A field it does not know at all is
   accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
@@ -71,6 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..arguments import is_unicode
+from ..engine.grammar import GrammarError
 from ..engine.request import MAX_LOGPROBS, RequestFailed
 from ..errors import Overloaded, PagedKVError
 
@@ -94,7 +96,7 @@ NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, Fals
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
     "tools": (None, []), "tool_choice": (None, "none", "auto"),
     "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
-    "response_format": (None, {"type": "text"}), "modalities": (None, ["text"]), "audio": (None,),
+    "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
     "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {})}
 # What a message sent back as history holds in the fields of an answer this server never gives.
@@ -164,6 +166,7 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: StrictBool | None = False  # extension (vLLM)
     skip_special_tokens: StrictBool | None = True  # extension (vLLM)
     cache_salt: str | None = None  # extension (vLLM)
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (also on completions, as vLLM)
 
     @model_validator(mode="before")
     @classmethod
@@ -632,7 +635,8 @@ class OpenAIServer:
         if alternatives is not None and not 0 <= alternatives <= MAX_LOGPROBS:
             raise invalid(f"{field} must be in [0, {MAX_LOGPROBS}], got {alternatives}", field)
         return found | dict(repetition_penalty=repetition, min_p=min_p, min_tokens=min_tokens,
-                            logit_bias=self.logit_bias(body.logit_bias or {}), logprobs=alternatives)
+                            logit_bias=self.logit_bias(body.logit_bias or {}), logprobs=alternatives,
+                            **structured(body.response_format))
 
     def token_logprobs(self, generation: Generation, start: int, count: int) -> list[TokenLogprob] | None:
         """The log-probabilities of `count` tokens from `start` of a choice that asked for them."""
@@ -734,6 +738,8 @@ class OpenAIServer:
             return self.engine.submit(ids, tenant=tenant, priority=priority, **params)
         except Overloaded as error:
             raise rate_limited(error) from error
+        except GrammarError as error:
+            raise invalid(str(error), "response_format") from error
         except ValueError as error:
             raise invalid(str(error)) from error
         except PagedKVError as error:
@@ -774,7 +780,9 @@ class OpenAIServer:
 
     async def respond(self, request: Request, body: GenerationRequest, prompts: list[list[int]], fmt,
                       max_tokens: int, contexts: list[list[int]]):
-        generations = self.submit_choices(body, prompts, contexts, max_tokens, *self.who(request, body))
+        # on a worker thread: compiling a new JSON schema takes milliseconds the other streams need
+        generations = await asyncio.to_thread(self.submit_choices, body, prompts, contexts, max_tokens,
+                                              *self.who(request, body))
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
         per_prompt = len(generations) // len(prompts)
         if body.stream:
@@ -857,6 +865,21 @@ class OpenAIServer:
             for task in pumps:
                 task.cancel()
         yield sse("[DONE]")
+
+
+def structured(response_format: dict | None) -> dict:
+    """The engine's structured-output arguments for OpenAI's `response_format`."""
+    kind = (response_format or {"type": "text"}).get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise invalid("response_format.json_schema.schema must be a JSON schema (an object)", "response_format")
+        return {"json_schema": spec["schema"], "strict": spec.get("strict") is True}  # OpenAI: false by default
+    raise invalid(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
 
 
 def blame(body: GenerationRequest, prompt_length: int, capacity: int) -> tuple[str, str]:
