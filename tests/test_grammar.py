@@ -130,3 +130,83 @@ def test_the_server_gives_structured_output_to_the_openai_clients_parse(model, t
             assert answer.status_code == 400 and answer.json()["error"]["param"] == "response_format", answer.text
             assert message in answer.json()["error"]["message"]
         assert engine.stats()["requests_waiting"] == 0 and engine.stats()["requests_running"] == 0
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                     "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}}}
+
+
+def test_a_tool_loop_through_the_openai_client(model, tokenizer):
+    """A forced call (named, or required among two tools) is one call whose arguments follow the
+    function's parameters; its result goes back as a tool message and the conversation goes on;
+    streamed, the call arrives whole in one delta."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from test_server import serving
+
+    engine = Engine(model, tokenizer=tokenizer, pool=KVPool(num_blocks=256, block_size=8))
+    with serving(engine) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        first = client.chat.completions.create(model="tiny-llama", messages=messages, tools=[WEATHER, TIME],
+                                               tool_choice=named, max_tokens=60, temperature=0)
+        choice = first.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name == "get_weather" and call.id.startswith("call_")
+        assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("c", "f") and len(arguments["city"]) <= 8
+        messages += [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "18 degrees, sunny"}]
+        second = client.chat.completions.create(model="tiny-llama", messages=messages, tools=[WEATHER, TIME],
+                                                max_tokens=8, temperature=0)
+        assert second.choices[0].finish_reason in ("stop", "length")
+        required = client.chat.completions.create(model="tiny-llama", messages=messages[:1], tools=[WEATHER, TIME],
+                                                  tool_choice="required", max_tokens=60, temperature=1.0, seed=2)
+        assert required.choices[0].message.tool_calls[0].function.name in ("get_weather", "get_time")
+        streamed = client.chat.completions.create(model="tiny-llama", messages=messages[:1], tools=[WEATHER, TIME],
+                                                  tool_choice=named, max_tokens=60, temperature=0, stream=True)
+        chunks = list(streamed)
+        deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+        assert [(d.function.name, d.function.arguments) for d in deltas] == [("get_weather", call.function.arguments)]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        none = client.chat.completions.create(model="tiny-llama", messages=messages[:1], tools=[WEATHER],
+                                              tool_choice="none", max_tokens=4, temperature=0)
+        assert none.choices[0].message.tool_calls is None
+        for body, param in (({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+                             "tool_choice"), ({"tools": [{"type": "function"}]}, "tools"),
+                            ({"tool_choice": "required"}, "tool_choice"), ({"tools": [WEATHER], "tool_choice": "maybe"},
+                                                                           "tool_choice")):
+            answer = httpx.post(url + "/v1/chat/completions",
+                                json={"model": "tiny-llama", "messages": messages[:1], "max_tokens": 2} | body)
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
+    assert engine.stats()["requests_running"] == 0
+
+
+def test_auto_tool_calls_are_parsed_from_the_hermes_tags_and_the_tools_reach_the_prompt(tokenizer):
+    from hf_paged_kv.serve.tools import Tools, hermes_messages
+
+    tools = Tools.of([WEATHER, TIME], "auto")
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+            '</tool_call><tool_call>{"name": "nope", "arguments": {}}</tool_call>')
+    content, calls = tools.calls(text)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Oslo", "unit": "c"}
+    assert content == 'Let me check. <tool_call>{"name": "nope", "arguments": {}}</tool_call>'  # unknown: text
+    assert tools.calls("no call here") == ("no call here", [])
+    history = [{"role": "user", "content": "Weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [{"id": "1", "name": "get_weather",
+                                                                    "arguments": {"city": "Oslo", "unit": "c"}}]},
+               {"role": "tool", "content": "cold", "tool_call_id": "1"}]
+    rendered = hermes_messages(history, tools)
+    assert rendered[0]["role"] == "system" and '"name": "get_weather"' in rendered[0]["content"]
+    assert "<tool_call>" in rendered[2]["content"] and rendered[3] == {
+        "role": "user", "content": "<tool_response>\ncold\n</tool_response>"}
+    prompt = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+    assert "<tools>" in prompt and "get_time" in prompt

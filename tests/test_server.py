@@ -361,8 +361,12 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
         client.completions.create(model=NAME, prompt="w05", n=129)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="w05")
-    with pytest.raises(openai.BadRequestError, match="tool"):
-        client.chat.completions.create(model=NAME, messages=[{"role": "tool", "content": "w05", "tool_call_id": "1"}])
+    with pytest.raises(openai.BadRequestError, match="role must be system, developer, user, assistant or tool"):
+        client.chat.completions.create(model=NAME, messages=[{"role": "function", "content": "w05", "name": "f"}])
+    with pytest.raises(openai.BadRequestError, match="arguments must be a JSON object"):
+        client.chat.completions.create(model=NAME, messages=[
+            {"role": "user", "content": "w05"}, {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "1", "type": "function", "function": {"name": "f", "arguments": "not json"}}]}])
 
 
 VLLM_NEUTRAL = {"repetition_penalty": 1, "min_p": 0, "min_tokens": 0, "skip_special_tokens": True,
@@ -631,9 +635,10 @@ def test_chat_history_sent_back_as_the_client_received_it(client):
     assert prompt_ids(received) == plain
     assert prompt_ids(received | {"tool_calls": [], "annotations": [], "audio": {}, "refusal": ""}) == plain
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    with pytest.raises(openai.BadRequestError, match="tool_calls") as refused:
-        prompt_ids(received | {"tool_calls": [call]})
-    assert refused.value.param == "messages[1].tool_calls"
+    assert prompt_ids(received | {"tool_calls": [call]}) != plain  # a past call is part of the history now
+    with pytest.raises(openai.BadRequestError, match="audio") as refused:
+        prompt_ids(received | {"audio": {"id": "a1"}})
+    assert refused.value.param == "messages[1].audio"
 
 
 SLOW_TOKENIZERS = [("/v1/completions", "encode", {"prompt": "w05 w06"}),

@@ -34,7 +34,8 @@ process: the app starts it when it starts and stops it when it stops.
   alternatives): the model's own log-softmax, before penalties, bias and temperature.
 - `response_format`: `json_object` or `json_schema` (see `engine.grammar`): the output is held to
   it while it is sampled; a schema that cannot be compiled is a 400.
-- A field of OpenAI's API this server does not implement (`echo`, `tools`, `best_of` > 1, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
+- `tools`, `tool_choice`: see `tools`; assistant `tool_calls` and `tool` messages in the history.
+- A field of OpenAI's API this server does not implement (`echo`, `best_of` > 1, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
   neutral value, as many clients send those by default. A field it does not know at all is
   accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
@@ -75,6 +76,7 @@ from ..arguments import is_unicode
 from ..engine.grammar import GrammarError
 from ..engine.request import MAX_LOGPROBS, RequestFailed
 from ..errors import Overloaded, PagedKVError
+from .tools import ToolError, Tools, hermes_messages, knows_tools
 
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MAX_STOP_STRINGS = 4
@@ -94,8 +96,7 @@ NEUTRAL_COMMON = {"service_tier": (None, "auto", "default"), "store": (None, Fal
 NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False),
                                        "suffix": (None, "")}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
-    "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "parallel_tool_calls": (None, True, False), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
     "modalities": (None, ["text"]), "audio": (None,),
     "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,),
     "add_generation_prompt": (None, True), "chat_template_kwargs": (None, {})}
@@ -216,6 +217,9 @@ class ChatRequest(GenerationRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # one call or several per answer: both are parsed
 
     def alternatives(self) -> tuple[int | None, str]:
         if self.top_logprobs is not None and not self.logprobs:
@@ -403,7 +407,8 @@ class TextFormat:
     def delta(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
         return self.final(index, text, finish, ids, logprobs)
 
-    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
+    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None,
+              calls: list[dict] = ()) -> dict:
         choice = {"index": index, "text": text, "logprobs": None if logprobs is None else self.logprobs(logprobs),
                   "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
@@ -418,6 +423,12 @@ class TextFormat:
 
 class ChatFormat:
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    @staticmethod
+    def calls_delta(index: int, calls: list[dict]) -> dict:
+        """A choice's tool calls in one delta, each whole, as OpenAI's stream may send them."""
+        return {"index": index, "delta": {"tool_calls": [{"index": k} | call for k, call in enumerate(calls)]},
+                "logprobs": None, "finish_reason": None}
 
     @staticmethod
     def logprobs(entries: list[TokenLogprob]) -> dict:
@@ -437,8 +448,10 @@ class ChatFormat:
                   "logprobs": None if logprobs is None else self.logprobs(logprobs), "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
-    def final(self, index: int, text: str, finish: str | None, ids: list[int] | None, logprobs=None) -> dict:
-        choice = {"index": index, "message": {"role": "assistant", "content": text},
+    def final(self, index: int, text: str | None, finish: str | None, ids: list[int] | None, logprobs=None,
+              calls: list[dict] = ()) -> dict:
+        message = {"role": "assistant", "content": text} | ({"tool_calls": list(calls)} if calls else {})
+        choice = {"index": index, "message": message,
                   "logprobs": None if logprobs is None else self.logprobs(logprobs), "finish_reason": finish}
         return choice if ids is None else choice | {"token_ids": ids}
 
@@ -573,15 +586,27 @@ class OpenAIServer:
             raise invalid(f"token ids {out_of_range[:5]} are outside the vocabulary (0..{self.vocab_size - 1})",
                           field)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
+    def chat_prompt(self, messages: list[dict], tools: Tools | None = None) -> list[int]:
+        """The prompt of a conversation, through the model's chat template, with the tools a
+        call may use (see `tools`)."""
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise invalid("this model's tokenizer has no chat template: use /v1/completions", "messages")
         if not messages:
             raise invalid("messages is empty", "messages")
         rendered = [chat_message(m, i) for i, m in enumerate(messages)]
+        options = {}
+        if knows_tools(self.tokenizer.chat_template):
+            for message in rendered:  # as transformers' templates take past calls
+                if "tool_calls" in message:
+                    message["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                        "name": c["name"], "arguments": c["arguments"]}} for c in message["tool_calls"]]
+            options = {"tools": tools.template_tools()} if tools is not None else {}
+        elif tools is not None or any(m["role"] == "tool" or "tool_calls" in m for m in rendered):
+            rendered = hermes_messages(rendered, tools)
         try:
             with self.tokenizing:
-                text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False)
+                text = self.tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False,
+                                                          **options)
         except Exception as error:  # noqa: BLE001 - templates raise what they like (role order, ...)
             raise invalid(f"the chat template refused these messages: {error}", "messages") from error
         return self.tokenize(text, special=False)  # the template already holds the special tokens
@@ -754,8 +779,8 @@ class OpenAIServer:
             raise invalid(f"at most {MAX_CHOICES} choices per request, got {prompts} prompt(s) x n={n}", "n")
         return n
 
-    def submit_choices(self, body: GenerationRequest, prompts: list[list[int]], contexts: list[list[int]], max_tokens: int,
-              tenant: str, priority: int) -> list[Generation]:
+    def submit_choices(self, body: GenerationRequest, prompts: list[list[int]], contexts: list[list[int]],
+                       max_tokens: int, tenant: str, priority: int, constraint: dict) -> list[Generation]:
         """Submit `n` choices per prompt (index: prompt's position x n + sample): choice k > 0 of a
         seeded request is seeded `seed + k`. The samples of one prompt share its cached blocks (the
         first prefill's full blocks, which the others wait for and inherit). One refused submit
@@ -764,7 +789,7 @@ class OpenAIServer:
         generations: list[Generation] = []
         try:
             for ids, context in zip(prompts, contexts):
-                params = self.sampling(body, len(ids), max_tokens)
+                params = self.sampling(body, len(ids), max_tokens) | constraint  # a forced tool call's grammar
                 for k in range(n):
                     seed = params["seed"]
                     seeded = params | ({"seed": seed + k if seed + k < 2**64 else seed - k} if seed is not None else {})
@@ -779,10 +804,11 @@ class OpenAIServer:
         return generations
 
     async def respond(self, request: Request, body: GenerationRequest, prompts: list[list[int]], fmt,
-                      max_tokens: int, contexts: list[list[int]]):
+                      max_tokens: int, contexts: list[list[int]], tools: Tools | None = None):
         # on a worker thread: compiling a new JSON schema takes milliseconds the other streams need
+        forced = {"json_schema": tools.schema(), "strict": True} if tools is not None and tools.forced else {}
         generations = await asyncio.to_thread(self.submit_choices, body, prompts, contexts, max_tokens,
-                                              *self.who(request, body))
+                                              *self.who(request, body), forced)
         meta = {"id": fmt.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": self.model_name}
         per_prompt = len(generations) // len(prompts)
         if body.stream:
@@ -793,7 +819,7 @@ class OpenAIServer:
                                             each(generations, lambda g: first_piece(streams[g.index])))
             if not arrived:
                 return Response(status_code=499)  # the client went away: nobody to answer
-            return EventStream(self.events(generations, streams, firsts, fmt, meta, prompts, body),
+            return EventStream(self.events(generations, streams, firsts, fmt, meta, prompts, body, tools),
                                [g.handle for g in generations])
         arrived, texts = await watched(request, generations, each(generations, collect))
         if not arrived:
@@ -801,8 +827,9 @@ class OpenAIServer:
         with_ids = bool(body.return_token_ids)
         choices = []
         for g, text in zip(generations, texts):
-            choice = fmt.final(g.index, text, g.finish_reason, g.tokens if with_ids else None,
-                               self.token_logprobs(g, 0, len(g.tokens)))
+            text, calls, finish = called(tools, text, g.finish_reason)
+            choice = fmt.final(g.index, text, finish, g.tokens if with_ids else None,
+                               self.token_logprobs(g, 0, len(g.tokens)), calls)
             if with_ids and len(prompts) > 1:
                 choice["prompt_token_ids"] = prompts[g.index // per_prompt]
             choices.append(choice)
@@ -810,9 +837,10 @@ class OpenAIServer:
         return JSONResponse(answer | ({"prompt_token_ids": prompts[0]} if with_ids and len(prompts) == 1 else {}))
 
     async def events(self, generations: list[Generation], streams, firsts, fmt, meta: dict,
-                     prompts: list[list[int]], body: GenerationRequest):
+                     prompts: list[list[int]], body: GenerationRequest, tools: Tools | None = None):
         """The choices' chunks as their pieces come (each names its choice's index), then the
-        usage chunk when asked, then `[DONE]`."""
+        usage chunk when asked, then `[DONE]`. With tools, a choice's text is held until it ends
+        (a call is known only then): its content, then its calls, come in its last chunks."""
         want_usage = bool(body.stream_options and body.stream_options.include_usage)
         every_chunk = want_usage and body.stream_options.continuous_usage_stats  # vLLM's: usage so far
         with_ids, opening = bool(body.return_token_ids), [True]
@@ -837,13 +865,22 @@ class OpenAIServer:
 
         pumps = []
         try:
+            held = {g.index: "" for g in generations}  # with tools: each choice's text so far
+
+            def piece(g: Generation, text: str, ids: list[int], at: int) -> str | None:
+                if tools is not None:
+                    held[g.index] += text
+                    text = ""
+                if not text and not ids:
+                    return None
+                return chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
+                                        self.token_logprobs(g, at, len(ids)))])
+
             for g, first in zip(generations, firsts):
                 if (start := fmt.start(g.index)) is not None:
                     yield chunk([start])
-                if first is not None:
-                    text, ids, at = first
-                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
-                                           self.token_logprobs(g, at, len(ids)))])
+                if first is not None and (event := piece(g, *first)) is not None:
+                    yield event
             pumps = [asyncio.ensure_future(pump(g, stream)) for g, stream in zip(generations, streams)]
             for _ in generations:  # until every choice has finished
                 while True:
@@ -852,9 +889,16 @@ class OpenAIServer:
                         raise text
                     if text is None:
                         break
-                    yield chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
-                                           self.token_logprobs(g, at, len(ids)))])
-                yield chunk([fmt.delta(g.index, "", g.finish_reason, [] if with_ids else None)])
+                    if (event := piece(g, text, ids, at)) is not None:
+                        yield event
+                finish = g.finish_reason
+                if tools is not None:
+                    content, calls, finish = called(tools, held[g.index], finish)
+                    if content:
+                        yield chunk([fmt.delta(g.index, content, None, None)])
+                    if calls:
+                        yield chunk([fmt.calls_delta(g.index, calls)])
+                yield chunk([fmt.delta(g.index, "", finish, [] if with_ids else None)])
             if want_usage:
                 yield chunk([], usage=usage(prompts, generations))
         except APIError as error:
@@ -865,6 +909,14 @@ class OpenAIServer:
             for task in pumps:
                 task.cancel()
         yield sse("[DONE]")
+
+
+def called(tools: Tools | None, text: str, finish: str | None) -> tuple[str | None, list[dict], str | None]:
+    """`(content, tool calls, finish reason)` of a choice's text: "tool_calls" when it called any."""
+    if tools is None:
+        return text, [], finish
+    content, calls = tools.calls(text)
+    return content, calls, "tool_calls" if calls else finish
 
 
 def structured(response_format: dict | None) -> dict:
@@ -892,16 +944,21 @@ def blame(body: GenerationRequest, prompt_length: int, capacity: int) -> tuple[s
 
 def chat_message(message: dict, index: int) -> dict:
     """One OpenAI chat message as the chat template expects it: a role and a string content (and
-    its `name`, for templates that show it)."""
+    its `name`, for templates that show it); an assistant's `tool_calls` with their arguments as
+    objects, a tool message's `tool_call_id`."""
     where = f"messages[{index}]"
     role, content = message.get("role"), message.get("content")
     role = "system" if role == "developer" else role
-    if role not in ("system", "user", "assistant"):
-        raise invalid(f"{where}.role must be system, developer, user or assistant, got {role!r}", f"{where}.role")
+    if role not in ("system", "user", "assistant", "tool"):
+        raise invalid(f"{where}.role must be system, developer, user, assistant or tool, got {role!r}",
+                      f"{where}.role")
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if calls and content is None:
+        content = ""  # an answer that only called tools
     # history sent back as the client received it (`ChatCompletionMessage.model_dump()`) holds
     # the fields of an answer this server never gives, empty: those say nothing, and are dropped
-    unsupported = sorted(k for k, v in message.items()
-                         if k not in ("role", "content", "name") and v not in EMPTY_VALUES)
+    known = ("role", "content", "name", "tool_calls", "tool_call_id")
+    unsupported = sorted(k for k, v in message.items() if k not in known and v not in EMPTY_VALUES)
     if unsupported:
         raise invalid(f"{where} has fields this server does not support: {unsupported}",
                       f"{where}.{unsupported[0]}")
@@ -915,7 +972,25 @@ def chat_message(message: dict, index: int) -> dict:
     name = message.get("name")
     if name is not None and not isinstance(name, str):
         raise invalid(f"{where}.name must be a string", f"{where}.name")
-    return {"role": role, "content": content} | ({"name": name} if name else {})
+    rendered = {"role": role, "content": content} | ({"name": name} if name else {})
+    if role == "tool":
+        return rendered | {"tool_call_id": str(message.get("tool_call_id") or "")}
+    return rendered | ({"tool_calls": [tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)]}
+                       if calls else {})
+
+
+def tool_call(call, where: str) -> dict:
+    """A past call as chat templates take it: `{"name", "arguments": {...}}`, its id kept."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise invalid(f"{where} must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}", where)
+    try:
+        arguments = json.loads(function.get("arguments") or "{}")
+    except (TypeError, json.JSONDecodeError):
+        arguments = None
+    if not isinstance(arguments, dict):
+        raise invalid(f"{where}.function.arguments must be a JSON object (as text)", where)
+    return {"id": call.get("id"), "name": function["name"], "arguments": arguments}
 
 
 def usage(prompts: list[list[int]], generations: list[Generation]) -> dict:
@@ -971,8 +1046,15 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
     async def chat_completions(body: ChatRequest, request: Request):
         check_extras(body, NEUTRAL_CHAT, ignored)
         server.check_model(body.model)
-        ids = await asyncio.to_thread(server.chat_prompt, body.messages)
-        return await server.respond(request, body, [ids], ChatFormat(), server.chat_max_tokens(body, len(ids)), [[]])
+        try:
+            tools = Tools.of(body.tools, body.tool_choice)
+        except ToolError as error:
+            raise invalid(str(error), error.param) from None
+        if tools is not None and tools.forced and body.response_format not in (None, {"type": "text"}):
+            raise invalid("a response_format cannot go with a tool_choice that forces a call", "response_format")
+        ids = await asyncio.to_thread(server.chat_prompt, body.messages, tools)
+        return await server.respond(request, body, [ids], ChatFormat(), server.chat_max_tokens(body, len(ids)), [[]],
+                                    tools)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
