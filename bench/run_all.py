@@ -77,6 +77,7 @@ PLAN = [
     Step("tiers", "bench_tiers.py", ("bench_tiers",), (), R1),
     Step("block_size", "bench_block_size.py", ("block_size",), (), R1),
     Step("engine", "bench_engine.py", ("engine",), (), (*R1, "--requests", "24", "--rates", "2,inf")),
+    Step("clients", "bench_clients.py", ("bench_clients",), (), (*R1, "--requests", "8")),
     Step("capacity", "bench_capacity.py", ("capacity",), (), R1),
     Step("load", "bench_load.py", ("load",), ("--repeats", "3"), (*R1, "--minutes", "1")),
     Step("emulated_load", "emulate_load.py", ("emulated-load",),
