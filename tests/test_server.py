@@ -340,7 +340,7 @@ def test_invalid_or_unsupported_requests_are_400_in_openai_shape(served, client)
                          ({"logit_bias": {"w05": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
                          ({"logit_bias": {"999": 1}}, "logit_bias"), ({"min_tokens": 3}, "min_tokens"),
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
-                         ({"cache_salt": ""}, "cache_salt"), ({"echo": True}, "echo"),
+                         ({"cache_salt": ""}, "cache_salt"), ({"suffix": "w07"}, "suffix"),
                          ({"temperature": 3}, "temperature"),
                          ({"max_tokens": 5000}, "max_tokens"), ({"prompt": [1, 999]}, "prompt"),
                          ({"prompt": ["w05", ""]}, "prompt"), ({"max_tokens": "many"}, "max_tokens"),
@@ -553,6 +553,33 @@ def test_logprobs_in_chat_and_completions_whole_and_streamed(served, client):
                             json={"model": NAME, "messages": chat, "max_tokens": 2} | body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
     assert httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "logprobs": 21}).status_code == 400
+
+
+
+def test_best_of_returns_the_likeliest_samples_and_echo_the_prompt(served, client):
+    engine, url = served
+    prompt = [51, 15, 64, 14]
+    answer = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=1.0, seed=9, n=2,
+                                       best_of=4, extra_body={"ignore_eos": True, "return_token_ids": True})
+    samples = []
+    for k in range(4):  # the four samples the server drew, drawn again: seeds 9..12
+        handle = engine.submit(prompt, max_new_tokens=6, do_sample=True, seed=9 + k, eos_token_id=[], logprobs=0)
+        tokens = handle.result(timeout=60)
+        samples.append((sum(logprob for logprob, _ in handle.request.logprobs), tokens))
+    likeliest = [tokens for _, tokens in sorted(samples, key=lambda s: s[0], reverse=True)[:2]]
+    assert [c.model_extra["token_ids"] for c in answer.choices] == likeliest and [c.index for c in answer.choices] == [0, 1]
+    assert answer.choices[0].logprobs is None  # ranked by them, not asked for them
+    assert answer.usage.completion_tokens == 24  # every sample drawn is billed, as OpenAI does
+    echoed = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=2, temperature=0, echo=True)
+    plain = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=2, temperature=0)
+    assert echoed.choices[0].text == "w05 w06" + plain.choices[0].text
+    streamed = client.completions.create(model=NAME, prompt="w05 w06", max_tokens=2, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == echoed.choices[0].text
+    for body, param in (({"best_of": 1, "n": 2}, "best_of"), ({"best_of": 3, "stream": True}, "best_of"),
+                        ({"echo": True, "logprobs": 1}, "echo"), ({"best_of": 200}, "best_of")):
+        answer = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "w05", "max_tokens": 2} | body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
 
 
 def test_errors_name_the_field_at_fault(served):

@@ -35,7 +35,10 @@ process: the app starts it when it starts and stops it when it stops.
 - `response_format`: `json_object` or `json_schema` (see `engine.grammar`): the output is held to
   it while it is sampled; a schema that cannot be compiled is a 400.
 - `tools`, `tool_choice`: see `tools`; assistant `tool_calls` and `tool` messages in the history.
-- A field of OpenAI's API this server does not implement (`echo`, `best_of` > 1, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
+- Completions: `best_of` samples per prompt, of which the `n` of the highest total
+  log-probability are returned (not streamed); `echo` puts the prompt's text before each
+  completion (not with `logprobs`).
+- A field of OpenAI's API this server does not implement (`suffix`, ...) is refused with a 400 in OpenAI's error shape, unless it carries its
   neutral value, as many clients send those by default. A field it does not know at all is
   accepted and ignored, as OpenAI and vLLM do, and logged once per field name.
 - Prompts are tokenized and chat templates applied on worker threads, not the event loop: a
@@ -93,7 +96,7 @@ log = logging.getLogger("hf_paged_kv.serve")
 # Fields of OpenAI's API this server does not implement, with the values that mean "off": a
 # client sends their neutral values by default. Any other field it does not know is ignored.
 NEUTRAL_COMMON = {"service_tier": (None, "auto", "default"), "store": (None, False), "metadata": ANY}
-NEUTRAL_COMPLETION = NEUTRAL_COMMON | {"best_of": (None, 1), "echo": (None, False),
+NEUTRAL_COMPLETION = NEUTRAL_COMMON | {
                                        "suffix": (None, "")}
 NEUTRAL_CHAT = NEUTRAL_COMMON | {
     "functions": (None, []), "function_call": (None, "none", "auto"),
@@ -206,6 +209,8 @@ class DetokenizeRequest(BaseModel):
 class CompletionRequest(GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = None
+    best_of: StrictInt | None = None  # samples drawn per prompt, of which the n likeliest are returned
+    echo: StrictBool | None = None  # the prompt's text before each completion
 
     def alternatives(self) -> tuple[int | None, str]:
         return self.logprobs, "logprobs"
@@ -676,6 +681,10 @@ class OpenAIServer:
             generation.chars += len(text)
         return entries
 
+    def echoed(self, ids: list[int]) -> str:
+        """A prompt as `echo` shows it: its text (nothing without a tokenizer)."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids)
+
     def token_text(self, token: int) -> str:
         """A token as the log-probabilities name it: its text, or `token_id:N` without a tokenizer."""
         return f"token_id:{token}" if self.tokenizer is None else self.tokenizer.decode([token])
@@ -771,33 +780,44 @@ class OpenAIServer:
             raise APIError(503, str(error), kind="server_error", code="engine_unavailable") from error
 
     # ---------------------------------------------------------------- responses
-    def choices_per_prompt(self, body: GenerationRequest, prompts: int) -> int:
+    def choices_per_prompt(self, body: GenerationRequest, prompts: int) -> tuple[int, int]:
+        """`(n, best_of)`: the choices returned per prompt, and the samples drawn for them."""
         n = 1 if body.n is None else body.n
         if n < 1:
             raise invalid(f"n must be at least 1, got {n}", "n")
-        if n * prompts > MAX_CHOICES:
-            raise invalid(f"at most {MAX_CHOICES} choices per request, got {prompts} prompt(s) x n={n}", "n")
-        return n
+        best_of = getattr(body, "best_of", None) or n
+        if best_of < n:
+            raise invalid(f"best_of must be at least n={n}, got {best_of}", "best_of")
+        if best_of > n and body.stream:
+            raise invalid("best_of > n cannot be streamed (the best are known only at the end)", "best_of")
+        if best_of * prompts > MAX_CHOICES:
+            field = "best_of" if best_of > n else "n"
+            raise invalid(f"at most {MAX_CHOICES} choices per request, got {prompts} prompt(s) x {field}={best_of}",
+                          field)
+        return n, best_of
 
     def submit_choices(self, body: GenerationRequest, prompts: list[list[int]], contexts: list[list[int]],
                        max_tokens: int, tenant: str, priority: int, constraint: dict) -> list[Generation]:
-        """Submit `n` choices per prompt (index: prompt's position x n + sample): choice k > 0 of a
-        seeded request is seeded `seed + k`. The samples of one prompt share its cached blocks (the
-        first prefill's full blocks, which the others wait for and inherit). One refused submit
-        cancels the choices already submitted."""
-        n, stops = self.choices_per_prompt(body, len(prompts)), self.stop_strings(body.stop)
+        """Submit `best_of` (else `n`) samples per prompt (index: prompt's position x samples +
+        sample): sample k > 0 of a seeded request is seeded `seed + k`. The samples of one prompt
+        share its cached blocks (the first prefill's full blocks, which the others wait for and
+        inherit). One refused submit cancels the samples already submitted."""
+        (n, best_of), stops = self.choices_per_prompt(body, len(prompts)), self.stop_strings(body.stop)
         generations: list[Generation] = []
         try:
             for ids, context in zip(prompts, contexts):
                 params = self.sampling(body, len(ids), max_tokens) | constraint  # a forced tool call's grammar
-                for k in range(n):
+                shown = params["logprobs"] is not None
+                if best_of > n and not shown:  # the ranking needs each token's log-probability
+                    params["logprobs"] = 0
+                for k in range(best_of):
                     seed = params["seed"]
                     seeded = params | ({"seed": seed + k if seed + k < 2**64 else seed - k} if seed is not None else {})
                     generations.append(Generation(
                         len(generations), self.submit(ids, seeded, tenant, priority),
                         Detokenizer(self.tokenizer, context, body.skip_special_tokens is not False),
                         StopMatcher(stops, bool(body.include_stop_str_in_output)), set(params["eos_token_id"]),
-                        params["logprobs"] is not None))
+                        shown))
         except APIError:
             cancel(g.handle for g in generations)
             raise
@@ -826,9 +846,11 @@ class OpenAIServer:
             return Response(status_code=499)
         with_ids = bool(body.return_token_ids)
         choices = []
-        for g, text in zip(generations, texts):
+        for index, (g, text) in enumerate(best(generations, texts, len(prompts), body.n or 1)):
             text, calls, finish = called(tools, text, g.finish_reason)
-            choice = fmt.final(g.index, text, finish, g.tokens if with_ids else None,
+            if getattr(body, "echo", False):
+                text = self.echoed(prompts[g.index // per_prompt]) + text
+            choice = fmt.final(index, text, finish, g.tokens if with_ids else None,
                                self.token_logprobs(g, 0, len(g.tokens)), calls)
             if with_ids and len(prompts) > 1:
                 choice["prompt_token_ids"] = prompts[g.index // per_prompt]
@@ -876,9 +898,12 @@ class OpenAIServer:
                 return chunk([fmt.delta(g.index, text, None, ids if with_ids else None,
                                         self.token_logprobs(g, at, len(ids)))])
 
+            per_prompt = len(generations) // len(prompts)
             for g, first in zip(generations, firsts):
                 if (start := fmt.start(g.index)) is not None:
                     yield chunk([start])
+                if getattr(body, "echo", False):
+                    yield chunk([fmt.delta(g.index, self.echoed(prompts[g.index // per_prompt]), None, None)])
                 if first is not None and (event := piece(g, *first)) is not None:
                     yield event
             pumps = [asyncio.ensure_future(pump(g, stream)) for g, stream in zip(generations, streams)]
@@ -909,6 +934,21 @@ class OpenAIServer:
             for task in pumps:
                 task.cancel()
         yield sse("[DONE]")
+
+
+def best(generations: list[Generation], texts: list[str], prompts: int, n: int) -> list[tuple[Generation, str]]:
+    """Per prompt, its `n` samples of the highest total log-probability, likeliest first (all of
+    them, in order, when no more than `n` were drawn)."""
+    drawn = len(generations) // prompts
+    pairs = list(zip(generations, texts))
+    if drawn == n:
+        return pairs
+
+    def likelihood(pair) -> float:
+        return sum(logprob for logprob, _ in pair[0].handle.request.logprobs)
+
+    return [pair for k in range(prompts)
+            for pair in sorted(pairs[k * drawn:(k + 1) * drawn], key=likelihood, reverse=True)[:n]]
 
 
 def called(tools: Tools | None, text: str, finish: str | None) -> tuple[str | None, list[dict], str | None]:
@@ -1037,6 +1077,9 @@ def create_app(engine, model_name: str, *, default_max_tokens: int | None = None
         check_extras(body, NEUTRAL_COMPLETION, ignored)
         server.check_model(body.model)
         # on a worker thread, as the chat's below: a huge prompt must not stall the other streams
+        if body.echo and body.logprobs is not None:  # the prompt's own log-probabilities are not computed
+            raise invalid("echo cannot go with logprobs: this server does not compute the prompt's log-probabilities",
+                          "echo")
         prompts = await asyncio.to_thread(server.completion_prompts, body.prompt)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         return await server.respond(request, body, prompts, TextFormat(), max_tokens,
